@@ -1,0 +1,79 @@
+"""Building blocks shared by the target and the draft head: RMSNorm, RoPE, attention, SwiGLU.
+
+Einsum letters: B batch, T new tokens, S cache slots, D hidden, N query heads, K kv heads,
+G query heads per kv head (N = K*G), H head_dim, F mlp width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax.model.config import RopeScaling
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32, returned in ``x.dtype``."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
+    """Inverse frequencies [H/2], with Llama-3.1 or linear scaling applied as HF does."""
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is None:
+        return inv
+    if scaling.kind == "linear":
+        return inv / scaling.factor
+    # llama3: long wavelengths slowed by `factor`, short ones kept, smooth ramp between.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    mid = (1 - smooth) * inv / scaling.factor + smooth * inv
+    return jnp.where(wavelen > low_wavelen, inv / scaling.factor,
+                     jnp.where(wavelen < high_wavelen, inv, mid))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate ``x`` [B, T, heads, H] by ``positions`` [B, T] (HF rotate-half convention)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention.
+
+    Args:
+      q: [B, T, N, H] queries (already rotated).
+      k, v: [B, S, K, H] keys/values of every slot a query may see.
+      mask: [B, T, S] bool, True where query t may attend slot s.
+    Returns:
+      [B, T, N, H].
+    """
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(h)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(b, t, n, h)
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU MLP: [B, T, D] -> [B, T, D]."""
+    gate = jnp.einsum("BTD,DF->BTF", x, w_gate)
+    up = jnp.einsum("BTD,DF->BTF", x, w_up)
+    return jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, w_down)

@@ -1,0 +1,12 @@
+"""Device mesh and logical-axis sharding rules."""
+
+from eagle3_jax.sharding.mesh import (
+    KV_CACHE_AXES, MESH_AXES, RULES, SERVING_RULES, TRAINING_RULES, MeshConfig, MeshError,
+    describe_fallbacks, logical_to_pspec, make_mesh, named_sharding, param_shardings, shard_array,
+)
+
+__all__ = [
+    "KV_CACHE_AXES", "MESH_AXES", "RULES", "SERVING_RULES", "TRAINING_RULES", "MeshConfig",
+    "MeshError", "describe_fallbacks", "logical_to_pspec", "make_mesh", "named_sharding",
+    "param_shardings", "shard_array",
+]
