@@ -1,0 +1,73 @@
+"""The draft head's forward pieces, shared by training-time test and tree decoding.
+
+One draft step over T positions (B batch, D hidden, N/K heads, H head_dim, Vd draft vocab)::
+
+    g        [B, T, D]   feature: fc(target taps) at step 0, the draft's own h afterwards
+    embeds   [B, T, D]   target embedding of the token paired with each feature
+    x = concat(attn_norm(embeds), hidden_norm(g))                       [B, T, 2D]
+    h = g + wo(attention(q, k, v from x))                               [B, T, D]
+    h = h + mlp(mlp_norm(h))          -> the next step's feature
+    logits = lm_head(final_norm(h))                                    [B, T, Vd]
+
+Training (``eagle3_jax.draft.ttt``) and decoding only differ in which keys each query sees, so
+both call :func:`project_qkv` and :func:`finish_layer` and supply their own attention.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax.draft.config import DraftConfig
+from eagle3_jax.model.layers import apply_rope, attention, rms_norm, rope_inv_freq, swiglu
+from eagle3_jax.model.params import Params
+
+
+def fuse_taps(params: Params, taps: jax.Array) -> jax.Array:
+    """Target taps [B, T, 3D] (low, mid, high) -> step-0 feature [B, T, D]."""
+    return jnp.einsum("BTF,FD->BTD", taps.astype(params["fc"].dtype), params["fc"])
+
+
+def project_qkv(params: Params, cfg: DraftConfig, embeds: jax.Array, g: jax.Array,
+                positions: jax.Array):
+    """q [B, T, N, H], k, v [B, T, K, H] from the embedding and feature, rotated at positions."""
+    x = jnp.concatenate([rms_norm(embeds.astype(g.dtype), params["attn_norm"], cfg.rms_norm_eps),
+                         rms_norm(g, params["hidden_norm"], cfg.rms_norm_eps)], axis=-1)
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None)
+    q = apply_rope(jnp.einsum("BTE,ENH->BTNH", x, params["wq"]), positions, inv_freq)
+    k = apply_rope(jnp.einsum("BTE,EKH->BTKH", x, params["wk"]), positions, inv_freq)
+    v = jnp.einsum("BTE,EKH->BTKH", x, params["wv"])
+    return q, k, v
+
+
+def finish_layer(params: Params, cfg: DraftConfig, g: jax.Array, attn: jax.Array) -> jax.Array:
+    """Residual around attention output [B, T, N, H], then the SwiGLU block -> h [B, T, D]."""
+    h = g + jnp.einsum("BTNH,NHD->BTD", attn, params["wo"])
+    x = rms_norm(h, params["mlp_norm"], cfg.rms_norm_eps)
+    return h + swiglu(x, params["w_gate"], params["w_up"], params["w_down"])
+
+
+def draft_logits(params: Params, cfg: DraftConfig, h: jax.Array) -> jax.Array:
+    """h [B, T, D] -> float32 logits over the draft vocabulary [B, T, Vd]."""
+    x = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    return jnp.einsum("BTD,DV->BTV", x, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def draft_step_cached(params: Params, cfg: DraftConfig, embeds: jax.Array, g: jax.Array,
+                      positions: jax.Array, mask: jax.Array, cache_k: jax.Array,
+                      cache_v: jax.Array, write_slots: jax.Array):
+    """One draft step at inference over a KV cache.
+
+    Args:
+      embeds, g: [B, T, D]; positions: [B, T].
+      mask: [B, T, S] bool over cache slots (after this step's keys are written).
+      cache_k, cache_v: [B, S, K, H]; write_slots: [B, T] slots for this step's keys.
+    Returns:
+      (h [B, T, D], logits [B, T, Vd], cache_k, cache_v).
+    """
+    q, k, v = project_qkv(params, cfg, embeds, g, positions)
+    rows = jnp.arange(k.shape[0])[:, None]
+    cache_k = cache_k.at[rows, write_slots].set(k, mode="drop")
+    cache_v = cache_v.at[rows, write_slots].set(v, mode="drop")
+    h = finish_layer(params, cfg, g, attention(q, cache_k, cache_v, mask))
+    return h, draft_logits(params, cfg, h), cache_k, cache_v

@@ -1,0 +1,102 @@
+"""The draft head's parameter tree: shapes and logical axes, declared once.
+
+Layout (D hidden, N/K heads, H head_dim, F mlp, Vd draft vocab)::
+
+    fc          [3D, D]     fused low/mid/high target features -> D
+    attn_norm   [D]         input_layernorm (on the token embedding)
+    hidden_norm [D]         on the feature
+    wq          [2D, N, H]  q/k/v read concat(embedding, feature)
+    wk, wv      [2D, K, H]
+    wo          [N, H, D]
+    mlp_norm    [D]         post_attention_layernorm
+    w_gate/w_up [D, F];  w_down [F, D]
+    final_norm  [D]
+    lm_head     [D, Vd]
+
+The vocabulary maps ``d2t`` [Vd] (int32 offsets) and ``t2d`` [V] (bool) are not trained and live
+beside the params in :class:`DraftHead`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from eagle3_jax.draft.config import DraftConfig
+from eagle3_jax.model.params import ParamSpec, Params, is_spec
+
+
+def draft_param_specs(cfg: DraftConfig) -> Params:
+    d, f, n, k, h = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                     cfg.head_dim)
+    return {
+        "fc": ParamSpec((cfg.num_taps * d, d), ("fused", "embed")),
+        "attn_norm": ParamSpec((d,), ("norm",), "ones"),
+        "hidden_norm": ParamSpec((d,), ("norm",), "ones"),
+        "wq": ParamSpec((2 * d, n, h), ("embed", "q_heads", "head_dim")),
+        "wk": ParamSpec((2 * d, k, h), ("embed", "kv_heads", "head_dim")),
+        "wv": ParamSpec((2 * d, k, h), ("embed", "kv_heads", "head_dim")),
+        "wo": ParamSpec((n, h, d), ("q_heads", "head_dim", "embed")),
+        "mlp_norm": ParamSpec((d,), ("norm",), "ones"),
+        "w_gate": ParamSpec((d, f), ("embed", "mlp")),
+        "w_up": ParamSpec((d, f), ("embed", "mlp")),
+        "w_down": ParamSpec((f, d), ("mlp", "embed")),
+        "final_norm": ParamSpec((d,), ("norm",), "ones"),
+        "lm_head": ParamSpec((d, cfg.draft_vocab_size), ("embed", "vocab")),
+    }
+
+
+def init_draft_params(cfg: DraftConfig, key: jax.Array, scale: float = 0.02) -> Params:
+    """Random draft params (normal(0, scale) matrices, unit norm scales)."""
+    specs = draft_param_specs(cfg)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+    keys = jax.random.split(key, len(leaves))
+    dtype = jnp.dtype(cfg.dtype)
+    out = [
+        (jnp.ones(s.shape, jnp.float32) if s.init == "ones"
+         else scale * jax.random.normal(k, s.shape, jnp.float32)).astype(dtype)
+        for s, k in zip(leaves, keys)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+@struct.dataclass
+class VocabMap:
+    """Draft <-> target vocabulary maps (reference §3).
+
+    d2t: [Vd] int32, ``target_id = draft_id + d2t[draft_id]``.
+    t2d: [V] bool, True for target ids in the draft vocabulary.
+    """
+
+    d2t: jax.Array
+    t2d: jax.Array
+
+    @property
+    def draft_to_target(self) -> jax.Array:
+        """[Vd] int32 target id of every draft id."""
+        return jnp.arange(self.d2t.shape[0], dtype=jnp.int32) + self.d2t
+
+    @classmethod
+    def identity(cls, vocab_size: int) -> "VocabMap":
+        return cls(jnp.zeros((vocab_size,), jnp.int32), jnp.ones((vocab_size,), bool))
+
+    @classmethod
+    def from_used_ids(cls, used_ids: np.ndarray, vocab_size: int) -> "VocabMap":
+        """From the sorted target ids kept in the draft vocabulary."""
+        used = np.sort(np.asarray(used_ids, dtype=np.int64))
+        if len(np.unique(used)) != len(used) or used.min() < 0 or used.max() >= vocab_size:
+            raise ValueError("draft vocabulary ids must be unique and inside the target vocab")
+        t2d = np.zeros((vocab_size,), bool)
+        t2d[used] = True
+        return cls(jnp.asarray(used - np.arange(len(used)), jnp.int32), jnp.asarray(t2d))
+
+
+@struct.dataclass
+class DraftHead:
+    """Everything a trained head carries: config (static), params and vocabulary maps."""
+
+    params: Params
+    vocab: VocabMap
+    cfg: DraftConfig = struct.field(pytree_node=False)

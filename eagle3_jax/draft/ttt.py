@@ -1,0 +1,136 @@
+"""Training-time test (reference §4): the draft unrolled over K of its own steps, one lax.scan.
+
+Alignment, for a sequence x_0..x_{T-1} with target taps f_p and target logits l_p (l_p predicts
+x_{p+1}) and loss mask m_p (assistant tokens). At step i and index t the draft reads
+
+    feature  fc(f_t) at i = 0, else its own step i-1 output at index t
+    token    x_{t+1+i}                      position  t + i
+    label    softmax(l_{t+1+i}) restricted to the draft vocabulary
+    weight   m_{t+i} * t2d[argmax l_{t+1+i}]  (as the reference masks it; zero past the row end)
+
+and attends to the step-0 keys of indices s <= t (same segment) plus, for j = 1..i, the step-j
+key at its own index t ("the diagonal"): exactly what a depth-i tree node sees at inference,
+the real context plus its own ancestors. Loss = sum_i 0.8**i * loss_i.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from eagle3_jax.draft.config import DraftConfig
+from eagle3_jax.draft.model import draft_logits, finish_layer, fuse_taps, project_qkv
+from eagle3_jax.model.params import Params
+
+STEP_WEIGHT_DECAY = 0.8
+
+
+@struct.dataclass
+class TTTBatch:
+    """One batch of TTT inputs, all aligned on the sequence index.
+
+    tokens        [B, T] int32 token ids x_p
+    taps          [B, T, 3D]   target hidden states entering the tapped layers, at p
+    target_logp   [B, T, Vd]   log-softmax of the target logits restricted to the draft vocab, l_p
+    target_in_draft [B, T] bool  t2d[argmax of the *full* target logits l_p]
+    loss_mask     [B, T] bool  x_p is an assistant token
+    segment_ids   [B, T] int32 sequence id per packed document; 0 = padding
+    positions     [B, T] int32 RoPE position of x_p inside its document
+    """
+
+    tokens: jax.Array
+    taps: jax.Array
+    target_logp: jax.Array
+    target_in_draft: jax.Array
+    loss_mask: jax.Array
+    segment_ids: jax.Array
+    positions: jax.Array
+
+
+def ttt_forward(
+    params: Params,
+    cfg: DraftConfig,
+    embed_table: jax.Array,
+    batch: TTTBatch,
+    *,
+    return_logits: bool = False,
+):
+    """Run K = cfg.ttt_steps draft steps over a batch.
+
+    Returns:
+      (loss scalar, metrics dict with ``loss_per_step`` [K], ``acc_per_step`` [K],
+      ``weight_per_step`` [K] (number of scored positions), and ``logits`` [K, B, T, Vd] when
+      ``return_logits``).
+    """
+    k_steps = cfg.ttt_steps
+    b, t = batch.tokens.shape
+    # Pad the sequence axis by K so index t + 1 + i is always in range; padding is segment 0.
+    padded = lambda x, fill: jnp.pad(x, [(0, 0), (0, k_steps + 1)] + [(0, 0)] * (x.ndim - 2),
+                                     constant_values=fill)
+    tokens_p = padded(batch.tokens, 0)
+    seg_p = padded(batch.segment_ids, 0)
+    logp_p = padded(batch.target_logp, 0.0)
+    in_draft_p = padded(batch.target_in_draft, False)
+    loss_mask_p = padded(batch.loss_mask, False)
+    shifted = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, t, axis=1)
+
+    seg = batch.segment_ids
+    idx = jnp.arange(t)
+    causal = (idx[None, :, None] >= idx[None, None, :]) & (seg[:, :, None] == seg[:, None, :])
+    causal = causal & (seg[:, :, None] > 0)  # [B, T(query), T(key)]
+
+    g0 = fuse_taps(params, batch.taps)
+    kv_shape = (k_steps, b, t, cfg.num_kv_heads, cfg.head_dim)
+    zeros_kv = jnp.zeros(kv_shape, g0.dtype)
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def step(carry, i):
+        g, k0, v0, diag_k, diag_v = carry
+        tok = shifted(tokens_p, i + 1)
+        embeds = jnp.take(embed_table, tok, axis=0)
+        q, k, v = project_qkv(params, cfg, embeds, g, batch.positions + i)
+        k0 = jnp.where(i == 0, k, k0)
+        v0 = jnp.where(i == 0, v, v0)
+        diag_k = diag_k.at[i].set(k)
+        diag_v = diag_v.at[i].set(v)
+        # Scores against step-0 keys (causal) and the diagonal keys of steps 1..i.
+        qg = q.reshape(b, t, cfg.num_kv_heads, -1, cfg.head_dim)  # [B, T, K, G, H]
+        s_ctx = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k0, preferred_element_type=jnp.float32)
+        s_diag = jnp.einsum("BTKGH,JBTKH->BKGTJ", qg, diag_k, preferred_element_type=jnp.float32)
+        steps = jnp.arange(k_steps)
+        diag_ok = (steps >= 1) & (steps <= i)  # [K]
+        neg = jnp.finfo(jnp.float32).min
+        s_ctx = jnp.where(causal[:, None, None], s_ctx * scale, neg)
+        s_diag = jnp.where(diag_ok, s_diag * scale, neg)
+        probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_diag], axis=-1), axis=-1)
+        p_ctx, p_diag = probs[..., :t].astype(v.dtype), probs[..., t:].astype(v.dtype)
+        attn = (jnp.einsum("BKGTS,BSKH->BTKGH", p_ctx, v0)
+                + jnp.einsum("BKGTJ,JBTKH->BTKGH", p_diag, diag_v))
+        attn = attn.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        h = finish_layer(params, cfg, g, attn)
+        logits = draft_logits(params, cfg, h)  # [B, T, Vd]
+
+        # Labels: the target at x_{t+1+i}, scored where the reference scores it.
+        label_logp = shifted(logp_p, i + 1)
+        same_doc = shifted(seg_p, i + 1) == seg
+        weight = (shifted(loss_mask_p, i) & shifted(in_draft_p, i + 1) & same_doc
+                  & (seg > 0)).astype(jnp.float32)
+        logq = jax.nn.log_softmax(logits, axis=-1)
+        per_pos = -jnp.sum(jnp.exp(label_logp) * logq, axis=-1)  # [B, T]
+        n_scored = jnp.sum(weight)
+        loss_i = jnp.sum(per_pos * weight) / jnp.maximum(n_scored, 1.0)
+        hit = jnp.argmax(logits, -1) == jnp.argmax(label_logp, -1)
+        acc_i = jnp.sum(hit * weight) / jnp.maximum(n_scored, 1.0)
+        out = (loss_i, acc_i, n_scored, logits if return_logits else None)
+        return (h, k0, v0, diag_k, diag_v), out
+
+    init = (g0, zeros_kv[0], zeros_kv[0], zeros_kv, zeros_kv)
+    _, (losses, accs, counts, logits) = jax.lax.scan(step, init, jnp.arange(k_steps))
+    weights = STEP_WEIGHT_DECAY ** jnp.arange(k_steps, dtype=jnp.float32)
+    metrics = {"loss_per_step": losses, "acc_per_step": accs, "weight_per_step": counts}
+    if return_logits:
+        metrics["logits"] = logits
+    return jnp.sum(weights * losses), metrics
