@@ -1,0 +1,141 @@
+"""Training-time test: the lax.scan equals a plainly unrolled reference, and the draft's step-i
+logits in training equal what the same draft computes at inference, step by step over a KV
+cache, for a node at depth i whose ancestors are the teacher-forced tokens."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle3_jax.draft.config import DraftConfig
+from eagle3_jax.draft.model import (draft_logits, draft_step_cached, finish_layer, fuse_taps,
+                                    project_qkv)
+from eagle3_jax.draft.params import init_draft_params
+from eagle3_jax.draft.ttt import STEP_WEIGHT_DECAY, TTTBatch, ttt_forward
+from eagle3_jax.model.layers import attention
+
+B, T, V, VD, D = 2, 10, 64, 40, 32
+
+
+def _setup(steps=4, kv_heads=2, seed=0):
+    cfg = DraftConfig(hidden_size=D, intermediate_size=48, num_heads=4, num_kv_heads=kv_heads,
+                      head_dim=8, vocab_size=V, draft_vocab_size=VD, tap_layers=(1, 2, 3),
+                      ttt_steps=steps)
+    keys = jax.random.split(jax.random.key(seed), 8)
+    params = init_draft_params(cfg, keys[0], scale=0.3)
+    params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(keys[1], x.shape), params)
+    embed = jax.random.normal(keys[2], (V, D))
+    segs = jnp.ones((B, T), jnp.int32).at[1, -3:].set(0)  # row 1 is padded at the end
+    batch = TTTBatch(
+        tokens=jax.random.randint(keys[3], (B, T), 0, V),
+        taps=jax.random.normal(keys[4], (B, T, 3 * D)),
+        target_logp=jax.nn.log_softmax(2 * jax.random.normal(keys[5], (B, T, VD))),
+        target_in_draft=jax.random.bernoulli(keys[6], 0.8, (B, T)),
+        loss_mask=jax.random.bernoulli(keys[7], 0.7, (B, T)),
+        segment_ids=segs,
+        positions=jnp.broadcast_to(jnp.arange(T), (B, T)),
+    )
+    return cfg, params, embed, batch
+
+
+def _unrolled_reference(params, cfg, embed, batch):
+    """Python loop, keys concatenated step by step as the PyTorch reference caches them."""
+    k_steps = cfg.ttt_steps
+    tokens, seg = np.asarray(batch.tokens), np.asarray(batch.segment_ids)
+    g = fuse_taps(params, batch.taps)
+    keys, values, logits_all, losses = [], [], [], []
+    idx = np.arange(T)
+    for i in range(k_steps):
+        tok = np.zeros_like(tokens)
+        tok[:, : max(T - 1 - i, 0)] = tokens[:, 1 + i:]
+        q, k, v = project_qkv(params, cfg, embed[tok], g, batch.positions + i)
+        keys.append(k)
+        values.append(v)
+        all_k = jnp.concatenate(keys, axis=1)  # [B, (i+1)T, K, H]
+        all_v = jnp.concatenate(values, axis=1)
+        causal = (idx[:, None] >= idx[None, :])[None] & (seg[:, :, None] == seg[:, None, :])
+        causal &= seg[:, :, None] > 0
+        diag = np.broadcast_to(np.eye(T, dtype=bool), (B, T, T))
+        mask = np.concatenate([causal] + [diag] * i, axis=-1)
+        g = finish_layer(params, cfg, g, attention(q, all_k, all_v, jnp.asarray(mask)))
+        logits = draft_logits(params, cfg, g)
+        logits_all.append(logits)
+        # Labels and weights shifted as the reference shifts them.
+        def shift(x, by, fill):
+            out = np.full_like(x, fill)
+            out[:, : max(T - by, 0)] = x[:, by:]
+            return out
+        label = shift(np.asarray(batch.target_logp), i + 1, 0.0)
+        w = (shift(np.asarray(batch.loss_mask), i, False)
+             & shift(np.asarray(batch.target_in_draft), i + 1, False)
+             & (shift(seg, i + 1, 0) == seg) & (seg > 0)).astype(np.float32)
+        per_pos = -jnp.sum(np.exp(label) * jax.nn.log_softmax(logits), -1)
+        losses.append(jnp.sum(per_pos * w) / max(w.sum(), 1.0))
+    total = sum(STEP_WEIGHT_DECAY ** i * l for i, l in enumerate(losses))
+    return total, jnp.stack(losses), jnp.stack(logits_all)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_scan_equals_unrolled_reference(kv_heads):
+    cfg, params, embed, batch = _setup(kv_heads=kv_heads)
+    loss, metrics = jax.jit(lambda p, b: ttt_forward(p, cfg, embed, b, return_logits=True))(
+        params, batch)
+    ref_total, ref_losses, ref_logits = _unrolled_reference(params, cfg, embed, batch)
+    valid = np.asarray(batch.segment_ids) > 0  # padded queries see nothing: their output is unused
+    np.testing.assert_allclose(np.asarray(metrics["logits"])[:, valid],
+                               np.asarray(ref_logits)[:, valid], atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(metrics["loss_per_step"], ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(float(loss), ref_total, rtol=1e-5)
+
+
+def test_gradients_equal_unrolled_reference():
+    cfg, params, embed, batch = _setup(steps=3)
+    g_scan = jax.grad(lambda p: ttt_forward(p, cfg, embed, batch)[0])(params)
+
+    g_ref = jax.grad(lambda p: _unrolled_reference(p, cfg, embed, batch)[0])(params)
+    for name in g_scan:
+        np.testing.assert_allclose(g_scan[name], g_ref[name], atol=1e-6, rtol=1e-4, err_msg=name)
+
+
+def test_training_logits_equal_inference_step_by_step():
+    """Depth-i node at inference (context + ancestors in the draft KV cache) == TTT step i."""
+    cfg, params, embed, batch = _setup(steps=4)
+    _, metrics = ttt_forward(params, cfg, embed, batch, return_logits=True)
+    train_logits = np.asarray(metrics["logits"])  # [K, B, T, Vd]
+    tokens = np.asarray(batch.tokens)
+    row = 0
+    slots = T + cfg.ttt_steps
+    # Step 0 over the whole context: slot s holds (feature f_s, token x_{s+1}) at position s.
+    ctx_tok = np.zeros((1, T), np.int32)
+    ctx_tok[0, :-1] = tokens[row, 1:]
+    cache_k = jnp.zeros((1, slots, cfg.num_kv_heads, cfg.head_dim))
+    cache_v = jnp.zeros_like(cache_k)
+    mask0 = np.zeros((1, T, slots), bool)
+    mask0[0, :, :T] = np.tril(np.ones((T, T), bool))
+    g0 = fuse_taps(params, batch.taps[row:row + 1])
+    h0, logits0, cache_k, cache_v = draft_step_cached(
+        params, cfg, embed[ctx_tok], g0, jnp.arange(T)[None], jnp.asarray(mask0), cache_k,
+        cache_v, jnp.arange(T)[None])
+    np.testing.assert_allclose(logits0[0], train_logits[0, row], atol=2e-5, rtol=1e-5)
+    for t in range(T - cfg.ttt_steps):
+        g, ck, cv = h0[:, t:t + 1], cache_k, cache_v
+        for depth in range(1, cfg.ttt_steps):
+            slot = T + depth - 1
+            mask = np.zeros((1, 1, slots), bool)
+            mask[0, 0, : t + 1] = True  # the real context up to index t
+            mask[0, 0, T: slot + 1] = True  # ancestors and itself
+            tok = jnp.asarray([[tokens[row, t + 1 + depth]]])
+            g, logits, ck, cv = draft_step_cached(
+                params, cfg, embed[tok], g, jnp.asarray([[t + depth]]), jnp.asarray(mask), ck,
+                cv, jnp.asarray([[slot]]))
+            np.testing.assert_allclose(logits[0, 0], train_logits[depth, row, t], atol=3e-5,
+                                       rtol=1e-5, err_msg=f"t={t} depth={depth}")
+
+
+def test_padding_and_documents_are_not_scored():
+    cfg, params, embed, batch = _setup(steps=2)
+    _, metrics = ttt_forward(params, cfg, embed, batch)
+    w0 = (np.asarray(batch.loss_mask)[:, :-1] & np.asarray(batch.target_in_draft)[:, 1:]
+          & (np.asarray(batch.segment_ids)[:, 1:] == np.asarray(batch.segment_ids)[:, :-1])
+          & (np.asarray(batch.segment_ids)[:, :-1] > 0))
+    assert float(metrics["weight_per_step"][0]) == w0.sum()
