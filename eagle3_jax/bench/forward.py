@@ -1,0 +1,171 @@
+"""``python -m eagle3_jax.bench forward``: the target's forward cost curve and plain-decoding speed.
+
+Measures, on the running machine:
+  * one decode step (T = 1) and a forward of T = 2, 4, ..., 64 new tokens over a 256-token cache:
+    the cost curve that sizes draft trees (a tree of T tokens costs about forward(T));
+  * the memory-bandwidth floor of a decode step: parameter bytes / bandwidth measured in the same
+    run (a jitted full read of an array as large as the parameters);
+  * greedy tokens/s of ``eagle3_jax.decoding.generate`` against HF transformers float32 greedy
+    ``generate`` on the same chat prompts, batch 1, interleaved, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax.bench.common import (interleaved_medians, machine_description, markdown_table,
+                                     time_call, write_json)
+from eagle3_jax.model.params import param_bytes
+from eagle3_jax.model.target import KVCache, causal_mask, forward
+
+PROMPTS = (
+    "Explain in a few sentences why the sky is blue.",
+    "Write a short Python function that checks whether a number is prime.",
+    "Give me three tips for learning a new language.",
+)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _forward_step(params, cache, tokens, cfg):
+    """T new tokens appended at cache.end: the decode / verification forward."""
+    t = tokens.shape[1]
+    positions = cache.end[:, None] + jnp.arange(t)[None]
+    out = forward(params, cfg, tokens, positions, causal_mask(cache.end, t, cache.max_len), cache)
+    return out.logits, out.cache
+
+
+def measure_bandwidth(num_bytes: int, repeats: int) -> float:
+    """Bytes/s of a jitted reduction that reads an array of ``num_bytes`` once."""
+    x = jnp.ones((num_bytes // 4,), jnp.float32)
+    read = jax.jit(lambda a: jnp.sum(a))
+    seconds = interleaved_medians({"read": lambda: read(x)}, repeats, warmup=2)["read"]
+    return num_bytes / seconds
+
+
+def forward_curve(params, cfg, context: int, sizes, repeats: int) -> dict[int, float]:
+    """Median seconds of a forward over ``T in sizes`` new tokens after ``context`` cached."""
+    max_len = context + max(sizes)
+    caches = {}
+    fns = {}
+    for t in sizes:
+        caches[t] = KVCache.zeros(cfg, 1, max_len).replace(end=jnp.full((1,), context, jnp.int32))
+        tokens = jnp.ones((1, t), jnp.int32)
+
+        def run(t=t, tokens=tokens):
+            logits, caches[t] = _forward_step(params, caches[t], tokens, cfg)
+            return logits
+        fns[t] = run
+    return interleaved_medians(fns, repeats, warmup=2)
+
+
+def greedy_speed(loaded, hf_model, max_new_tokens: int, repeats: int):
+    """Interleaved greedy tokens/s: ours (one jitted while_loop) vs HF transformers float32."""
+    import torch
+
+    from eagle3_jax.decoding import generate, pad_prompts
+
+    tok = loaded.tokenizer
+    eos = tok.eos_token_ids
+    ours_tps, hf_tps, same = [], [], []
+    for _ in range(repeats + 1):  # the first round compiles / warms up and is not counted
+        for text in PROMPTS:
+            ids = tok.apply_chat_template([{"role": "user", "content": text}])
+            padded = pad_prompts([ids])
+            start = time.perf_counter()
+            out = generate(loaded.params, loaded.cfg, padded.tokens, padded.lengths,
+                           max_new_tokens=max_new_tokens, eos_token_ids=eos)
+            ours = np.asarray(out.tokens[0, : int(out.num_generated[0])])
+            t_ours = time.perf_counter() - start
+            start = time.perf_counter()
+            with torch.no_grad():
+                hf_out = hf_model.generate(torch.tensor([ids]), do_sample=False,
+                                           max_new_tokens=max_new_tokens, eos_token_id=list(eos),
+                                           pad_token_id=tok.pad_token_id)
+            t_hf = time.perf_counter() - start
+            theirs = hf_out[0, len(ids):].numpy()
+            theirs = theirs[~np.isin(theirs, eos)]
+            if _ > 0:
+                ours_tps.append(len(ours) / t_ours)
+                hf_tps.append(len(theirs) / t_hf)
+                same.append(bool(np.array_equal(ours, theirs)))
+    return statistics.median(ours_tps), statistics.median(hf_tps), all(same)
+
+
+def plot_curve(path: str, curve_ms: dict[int, float], floor_ms: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sizes = sorted(curve_ms)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(sizes, [curve_ms[t] for t in sizes], "o-", label="forward over 256-token cache")
+    ax.axhline(floor_ms, color="gray", ls="--", label="bandwidth floor (params / BW)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("new tokens T (tree size)")
+    ax.set_ylabel("ms per forward")
+    ax.set_title("Target forward cost (SmolLM2-135M, this machine)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle3_jax.bench forward",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=None, help="preset, HF folder or .gguf (default model)")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--sizes", default="1,2,4,8,16,32,64")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--speed-repeats", type=int, default=3)
+    parser.add_argument("--skip-hf", action="store_true", help="skip the HF transformers run")
+    parser.add_argument("--out", default="docs/bench_forward.json")
+    parser.add_argument("--plot", default="docs/bench_forward.png")
+    args = parser.parse_args(argv)
+
+    from eagle3_jax.checkpoints import load_target
+
+    loaded = load_target(args.target)
+    cfg, params = loaded.cfg, loaded.params
+    sizes = [int(s) for s in args.sizes.split(",")]
+    nbytes = param_bytes(params)
+    print(f"target {loaded.source}: {cfg.num_params / 1e6:.1f}M params, {nbytes / 2**20:.0f} MiB",
+          file=sys.stderr)
+    bandwidth = measure_bandwidth(nbytes, args.repeats)
+    curve = forward_curve(params, cfg, args.context, sizes, args.repeats)
+    floor = nbytes / bandwidth
+    rows = [(t, curve[t] * 1e3, curve[t] / curve[1]) for t in sizes]
+    print(markdown_table(["T new tokens", "ms / forward", "x decode step"], rows))
+    print(f"\nbandwidth {bandwidth / 1e9:.2f} GB/s -> decode floor {floor * 1e3:.2f} ms; "
+          f"decode step {curve[1] * 1e3:.2f} ms = {curve[1] / floor:.2f}x floor")
+    result = {
+        "machine": machine_description(), "target": loaded.source, "param_bytes": nbytes,
+        "context": args.context, "forward_ms": {str(t): curve[t] * 1e3 for t in sizes},
+        "bandwidth_gb_s": bandwidth / 1e9, "decode_floor_ms": floor * 1e3,
+        "decode_step_over_floor": curve[1] / floor,
+    }
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+        import torch
+        gguf = loaded.source
+        from pathlib import Path
+        hf = AutoModelForCausalLM.from_pretrained(str(Path(gguf).parent),
+                                                  gguf_file=Path(gguf).name,
+                                                  dtype=torch.float32).eval()
+        ours, theirs, same = greedy_speed(loaded, hf, args.max_new_tokens, args.speed_repeats)
+        print(f"\ngreedy batch 1, {args.max_new_tokens} new tokens, median of "
+              f"{args.speed_repeats}x{len(PROMPTS)}: eagle3_jax {ours:.1f} tok/s, HF transformers "
+              f"float32 {theirs:.1f} tok/s -> {ours / theirs:.2f}x; identical tokens: {same}")
+        result.update(tokens_per_s_ours=ours, tokens_per_s_hf=theirs, speedup_vs_hf=ours / theirs,
+                      identical_tokens=same, max_new_tokens=args.max_new_tokens)
+    write_json(args.out, result)
+    plot_curve(args.plot, {t: curve[t] * 1e3 for t in sizes}, floor * 1e3)
+    print(f"wrote {args.out} and {args.plot}", file=sys.stderr)
+    return 0

@@ -1,0 +1,107 @@
+"""``python -m eagle3_jax.data <command>``: build draft-head training data.
+
+  prepare  --source sharegpt|PATH --out DIR [--limit N] [--exclude-bench DIR]
+           [--strip-leading-assistant]
+           read conversations, normalise them, write DIR/conversations.jsonl (+ prepare_stats.json)
+  vocab    --data DIR|FILE --target PRESET_OR_PATH --draft-vocab-size N --out FILE.npz
+           [--max-len 2048] [--vocab-size V] [--tokens-out FILE.npz]
+           tokenise with the target's chat template, pick the draft vocabulary, save d2t/t2d
+
+Errors in the input are reported in one line (``error: ...``), exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from eagle3_jax.data.sources import CONVERSATIONS_FILE, DataError
+
+
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from eagle3_jax.data.sources import (load_benchmark_prompts, prepare_conversations,
+                                         write_jsonl)
+
+    excluded = load_benchmark_prompts(args.exclude_bench) if args.exclude_bench else set()
+    convs, stats = prepare_conversations(args.source, limit=args.limit, exclude_prompts=excluded,
+                                         strip_leading_assistant=args.strip_leading_assistant,
+                                         progress=True)
+    out = Path(args.out)
+    path = write_jsonl(convs, out / CONVERSATIONS_FILE)
+    summary = {"source": args.source, "read": stats.read, "kept": stats.kept,
+               "dropped": dict(stats.dropped), "truncated_tail": stats.truncated_tail,
+               "excluded_prompts": len(excluded)}
+    (out / "prepare_stats.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"{stats.summary()}\nwrote {path}")
+
+
+def cmd_vocab(args: argparse.Namespace) -> None:
+    from eagle3_jax.data.sources import read_conversations
+    from eagle3_jax.data.tokenize import TokenizedRecords, load_tokenizer, tokenize_conversations
+    from eagle3_jax.data.vocab import build_draft_vocab, save_vocab
+
+    tokenizer = load_tokenizer(args.target)
+    vocab_size = args.vocab_size or len(tokenizer)
+    if Path(args.data).suffix == ".npz":  # already tokenised
+        records, skipped = TokenizedRecords.load(args.data), 0
+    else:
+        records, skipped = tokenize_conversations(tokenizer, read_conversations(args.data),
+                                                  max_len=args.max_len, progress=True)
+    if args.tokens_out:
+        print(f"wrote {records.save(args.tokens_out)} ({len(records)} records)")
+    used, counts = build_draft_vocab(records, vocab_size, args.draft_vocab_size)
+    path = save_vocab(args.out, used, vocab_size, counts)
+    covered = counts[used].sum() / max(counts.sum(), 1)
+    print(f"{len(records)} conversations ({skipped} without assistant tokens skipped), "
+          f"{int(counts.sum())} assistant tokens, {int((counts > 0).sum())} distinct; "
+          f"draft vocab {len(used)} of {vocab_size} covers {covered:.2%}\nwrote {path}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m eagle3_jax.data", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare", help="read and normalise conversations")
+    p.add_argument("--source", required=True, help="'sharegpt' or a .jsonl/.json/.parquet path")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--limit", type=int, default=None, help="read at most N raw records")
+    p.add_argument("--exclude-bench", default=None, metavar="DIR",
+                   help="drop conversations whose first user turn is a prompt of a "
+                        "DIR/**/question.jsonl benchmark file")
+    p.add_argument("--strip-leading-assistant", action="store_true",
+                   help="drop assistant messages before the first user message (as the EAGLE "
+                        "reference does) instead of dropping the conversation")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("vocab", help="tokenise and build the draft vocabulary")
+    p.add_argument("--data", required=True,
+                   help="prepare output folder, a conversations .jsonl, or tokenised .npz")
+    p.add_argument("--target", default=None, help="preset name, .gguf file or HF folder")
+    p.add_argument("--draft-vocab-size", type=int, required=True)
+    p.add_argument("--out", required=True, help="output .npz (d2t, t2d, used_ids, counts)")
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="target vocabulary size (embedding rows); default: the tokenizer's")
+    p.add_argument("--tokens-out", default=None, help="also save the tokenised records (.npz)")
+    p.set_defaults(func=cmd_vocab)
+
+    # Further commands register here, e.g. `regenerate` (responses re-generated by the target):
+    # add a sub-parser with set_defaults(func=cmd_regenerate), raising DataError on bad input.
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
