@@ -1,0 +1,155 @@
+"""The JAX target reproduces HF transformers (torch, float32, eval) on tiny random models.
+
+Covers Llama (MHA / GQA / MQA, tied and untied head, llama3 RoPE scaling), Qwen2 (q/k/v bias),
+Qwen3 (q/k RMSNorm, head_dim != hidden / heads) and Mistral (full attention). Every config goes
+through ``TargetConfig.from_hf_config(hf_model.config.to_dict())`` and every weight through
+``hf_names.hf_to_param``, so the config and checkpoint mappings are tested with the forward.
+
+Tolerance: all weights are scaled for O(1) activations (tests/hf_reference.py), so logits have
+std ~1 and hidden states std ~1-2. Both sides compute in float32 with different reduction orders;
+over 7 layers that gives differences of ~1e-5, so atol 1e-4 with rtol 0 is a fixed bound ten times
+above float32 noise, and far below any real bug (a wrong rope scale or bias moves logits by ~0.1).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle3_jax.model.config import RopeScaling, TargetConfig
+from eagle3_jax.model.target import forward
+from hf_reference import hf_forward, tiny_hf_model
+
+ATOL = 1e-4
+
+jit_forward = jax.jit(forward, static_argnums=1, static_argnames=("tap_layers",))
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Small so that positions up to ~100 see the scaled (and, with head_dim 16, the smoothed
+    # mid-band) frequencies: wavelengths 6.3 (kept), 19.9 (smoothed), 63+ (divided by 8).
+    "original_max_position_embeddings": 32,
+    "rope_theta": 10000.0,
+}
+
+CASES = {
+    "llama_mha": ("llama", dict(num_key_value_heads=4)),
+    "llama_gqa": ("llama", dict(num_key_value_heads=2)),
+    "llama_mqa": ("llama", dict(num_key_value_heads=1)),
+    "llama_tied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "llama3_rope": ("llama", dict(hidden_size=64, num_key_value_heads=2,
+                                  rope_parameters=LLAMA3_ROPE)),
+    "qwen2_bias": ("qwen2", dict(num_key_value_heads=2)),
+    "qwen2_tied": ("qwen2", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    "qwen3_qk_norm": ("qwen3", dict(num_key_value_heads=2)),
+    "mistral": ("mistral", dict(num_key_value_heads=2)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _model(case: str):
+    arch, overrides = CASES[case]
+    return tiny_hf_model(arch, seed=sorted(CASES).index(case), **overrides)
+
+
+def _causal(batch: int, length: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
+
+
+def _run_both(case: str, tokens: np.ndarray, positions: np.ndarray):
+    hf_model, cfg, params = _model(case)
+    hf_logits, hf_hidden = hf_forward(hf_model, tokens, positions)
+    b, t = tokens.shape
+    out = jit_forward(params, cfg, jnp.asarray(tokens), jnp.asarray(positions), _causal(b, t),
+                      tap_layers=cfg.eagle3_tap_layers)
+    return cfg, params, out, hf_logits, hf_hidden
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_taps_and_hidden_match_hf(case):
+    hf_model, cfg, _ = _model(case)
+    rng = np.random.default_rng(0)
+    length = 100 if case == "llama3_rope" else 24
+    tokens = rng.integers(0, cfg.vocab_size, (2, length))
+    positions = np.broadcast_to(np.arange(length), (2, length))
+    cfg, _, out, hf_logits, hf_hidden = _run_both(case, tokens, positions)
+
+    assert out.logits.dtype == jnp.float32
+    assert 0.3 < hf_logits.std() < 3, "weights not at the intended O(1) scale"
+    np.testing.assert_allclose(np.asarray(out.logits), hf_logits, atol=ATOL, rtol=0)
+    # HF hidden_states[i] is the input of layer i; the last entry is after the final norm.
+    taps = np.split(np.asarray(out.taps), len(cfg.eagle3_tap_layers), axis=-1)
+    for layer, tap in zip(cfg.eagle3_tap_layers, taps):
+        np.testing.assert_allclose(tap, hf_hidden[layer], atol=ATOL, rtol=0,
+                                   err_msg=f"tap entering layer {layer}")
+    np.testing.assert_allclose(np.asarray(out.hidden), hf_hidden[cfg.num_layers], atol=ATOL,
+                               rtol=0)
+
+
+def test_config_features_were_exercised():
+    """Guard against a case silently testing less than its name says."""
+    cfgs = {case: _model(case)[1] for case in CASES}
+    assert cfgs["llama_mha"].num_kv_heads == cfgs["llama_mha"].num_heads
+    assert 1 < cfgs["llama_gqa"].num_kv_heads < cfgs["llama_gqa"].num_heads
+    assert cfgs["llama_mqa"].num_kv_heads == 1
+    assert cfgs["llama_tied"].tie_word_embeddings and cfgs["qwen2_tied"].tie_word_embeddings
+    assert "lm_head" not in _model("llama_tied")[2]
+    assert cfgs["llama3_rope"].rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 32)
+    assert cfgs["qwen2_bias"].attention_bias and not cfgs["qwen2_bias"].qk_norm
+    assert cfgs["qwen3_qk_norm"].qk_norm and not cfgs["qwen3_qk_norm"].attention_bias
+    q3 = cfgs["qwen3_qk_norm"]
+    assert q3.head_dim * q3.num_heads != q3.hidden_size
+    assert cfgs["mistral"].arch == "mistral"
+    assert len(set(cfgs["llama_gqa"].eagle3_tap_layers)) == 3
+
+
+def test_llama3_rope_scaling_matters_and_offset_positions_match_hf():
+    """Positions 60..99 only (no 0): explicit positions reach RoPE; the scaling changes logits."""
+    hf_model, cfg, params = _model("llama3_rope")
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, cfg.vocab_size, (2, 40))
+    positions = np.stack([np.arange(60, 100), np.arange(55, 95)])
+    _, _, out, hf_logits, _ = _run_both("llama3_rope", tokens, positions)
+    np.testing.assert_allclose(np.asarray(out.logits), hf_logits, atol=ATOL, rtol=0)
+
+    unscaled = jit_forward(params, cfg.replace(rope_scaling=None), jnp.asarray(tokens),
+                           jnp.asarray(positions), _causal(2, 40))
+    assert np.abs(np.asarray(unscaled.logits) - hf_logits).max() > 100 * ATOL
+
+
+def _old_style(hf: dict) -> dict:
+    """A transformers-4 style config.json: top-level rope_theta, rope_scaling dict."""
+    old = {k: v for k, v in hf.items() if k != "rope_parameters"}
+    rope = dict(hf["rope_parameters"])
+    old["rope_theta"] = rope.pop("rope_theta")
+    old["rope_scaling"] = None if rope.get("rope_type") == "default" else rope
+    return old
+
+
+@pytest.mark.parametrize("case", ["llama_gqa", "llama3_rope", "qwen2_bias", "qwen3_qk_norm"])
+def test_old_and_new_hf_config_styles_give_same_config(case):
+    hf_model, cfg, _ = _model(case)
+    new = hf_model.config.to_dict()
+    assert "rope_parameters" in new  # transformers 5 naming
+    old = _old_style(new)
+    assert TargetConfig.from_hf_config(old) == cfg
+    if old["rope_scaling"] is not None:
+        # Older still: the scaling kind under "type" instead of "rope_type".
+        legacy = dict(old, rope_scaling={("type" if k == "rope_type" else k): v
+                                         for k, v in old["rope_scaling"].items()})
+        assert TargetConfig.from_hf_config(legacy) == cfg
+
+
+def test_non_default_rope_theta_is_read_from_both_styles():
+    hf_model, cfg, _ = _model("llama_gqa")
+    new = hf_model.config.to_dict()
+    new["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    assert TargetConfig.from_hf_config(new).rope_theta == 500000.0
+    assert TargetConfig.from_hf_config(_old_style(new)).rope_theta == 500000.0
