@@ -141,16 +141,28 @@ def _prefill(target_params, head: DraftHead, prompt_tokens, prompt_lengths, key,
                  eos_token_ids)
 
 
+def draft_proposer(target_params, head: DraftHead, state: EagleState, cfg: TargetConfig,
+                   tree_cfg: TreeConfig):
+    """The EAGLE-3 head's dynamic tree (the default ``proposer`` of a round)."""
+    return build_tree(head.params, head.cfg, head.vocab, target_params["embed"], tree_cfg,
+                      state.root, state.root_logp, state.root_h, state.draft_k, state.draft_v,
+                      state.cache.end)
+
+
 def _round(target_params, head: DraftHead, state: EagleState, *, cfg: TargetConfig,
-           tree_cfg: TreeConfig, sampling, eos_token_ids, max_new_tokens) -> EagleState:
-    """One draft-verify-accept-commit round for every row that is not done."""
+           tree_cfg: TreeConfig, sampling, eos_token_ids, max_new_tokens,
+           proposer=draft_proposer) -> EagleState:
+    """One draft-verify-accept-commit round for every row that is not done.
+
+    ``proposer(target_params, head, state, cfg, tree_cfg) -> DraftTree`` makes the tree; tests
+    substitute oracles (a draft that knows the target's continuation) to exercise acceptance.
+    """
     b = state.root.shape[0]
     rows = jnp.arange(b)[:, None]
     active = ~state.done
     end = state.cache.end
     embed = target_params["embed"]
-    tree = build_tree(head.params, head.cfg, head.vocab, embed, tree_cfg, state.root,
-                      state.root_logp, state.root_h, state.draft_k, state.draft_v, end)
+    tree = proposer(target_params, head, state, cfg, tree_cfg)
     logits, cache, taps = verify_forward(target_params, cfg, tree, state.cache,
                                          head.cfg.tap_layers)
     step = state.step + 1
@@ -182,18 +194,20 @@ def _round(target_params, head: DraftHead, state: EagleState, *, cfg: TargetConf
     return dataclasses.replace(state, done=state.done | full)
 
 
-_STATIC = ("cfg", "tree_cfg", "sampling", "eos_token_ids", "max_new_tokens", "max_len")
+_STATIC = ("cfg", "tree_cfg", "sampling", "eos_token_ids", "max_new_tokens", "max_len",
+           "proposer")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _generate_jit(target_params, head, prompt_tokens, prompt_lengths, key, *, cfg, tree_cfg,
-                  sampling, eos_token_ids, max_new_tokens, max_len) -> EagleOutput:
+                  sampling, eos_token_ids, max_new_tokens, max_len,
+                  proposer=draft_proposer) -> EagleOutput:
     state = _prefill(target_params, head, prompt_tokens, prompt_lengths, key, cfg=cfg,
                      tree_cfg=tree_cfg, sampling=sampling, eos_token_ids=eos_token_ids,
                      max_new_tokens=max_new_tokens, max_len=max_len)
     body = functools.partial(_round, target_params, head, cfg=cfg, tree_cfg=tree_cfg,
                              sampling=sampling, eos_token_ids=eos_token_ids,
-                             max_new_tokens=max_new_tokens)
+                             max_new_tokens=max_new_tokens, proposer=proposer)
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
     return EagleOutput(tokens=state.tokens[:, :max_new_tokens],
                        num_generated=state.num_generated, hit_eos=state.hit_eos,
@@ -225,6 +239,7 @@ def generate_eagle(
     key: jax.Array | None = None,
     eos_token_ids: Sequence[int] = (),
     max_len: int | None = None,
+    proposer=draft_proposer,
 ) -> EagleOutput:
     """Speculative generation with an EAGLE-3 head, one jitted call (see module docstring).
 
@@ -242,4 +257,5 @@ def generate_eagle(
     key = jax.random.PRNGKey(0) if key is None else key
     return _generate_jit(target_params, head, tokens, lengths, key, cfg=cfg, tree_cfg=tree,
                          sampling=sampling, eos_token_ids=tuple(int(e) for e in eos_token_ids),
-                         max_new_tokens=int(max_new_tokens), max_len=int(max_len))
+                         max_new_tokens=int(max_new_tokens), max_len=int(max_len),
+                         proposer=proposer)

@@ -1,0 +1,108 @@
+"""One entry point for every way of naming a target: preset, HF folder, GGUF file, or nothing.
+
+``load_target()`` (no argument) gives the default SmolLM2-135M-Instruct, fetched on first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+from jax.sharding import Mesh
+
+from eagle3_jax.checkpoints.default_model import default_model_path
+from eagle3_jax.checkpoints.gguf_loader import load_gguf
+from eagle3_jax.checkpoints.safetensors_loader import CheckpointError, load_safetensors
+from eagle3_jax.model.config import TargetConfig
+from eagle3_jax.model.params import Params
+from eagle3_jax.presets import DEFAULT_PRESET, Preset, PresetError, list_presets, load_preset
+from eagle3_jax.sharding import MeshConfig, make_mesh
+from eagle3_jax.text.tokenizer import ChatTokenizer
+
+_ACCEPTED = ("a preset name ({presets}), an HF checkpoint folder (config.json + *.safetensors), "
+             "or a .gguf file")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedTarget:
+    """A target ready to run: config, sharded params, tokenizer, where they came from, mesh."""
+
+    cfg: TargetConfig
+    params: Params
+    tokenizer: ChatTokenizer
+    source: str
+    mesh: Mesh | None = None
+
+
+def load_target(
+    target: str | Path | None = None,
+    *,
+    mesh: Mesh | None = None,
+    mode: str = "serving",
+    dtype: str | None = None,
+) -> LoadedTarget:
+    """Load a target model and its tokenizer onto ``mesh``.
+
+    Args:
+      target: None (the ``smollm2-135m`` preset), a preset name, an HF checkpoint folder, or a
+        ``.gguf`` file.
+      mesh: device mesh; None -> a single-device mesh on ``jax.devices()[0]``.
+      mode: sharding rules, "serving" or "training".
+      dtype: parameter dtype; None -> the preset's, else the checkpoint's (float32 for GGUF).
+    Raises:
+      CheckpointError (or PresetError) naming the path or preset and what is accepted.
+    """
+    if mesh is None:
+        mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    if target is None:
+        target = DEFAULT_PRESET
+    path = Path(target)
+
+    if path.is_dir():
+        cfg, params = load_safetensors(path, mesh, mode=mode, dtype=dtype)
+        return LoadedTarget(cfg, params, ChatTokenizer.from_hf_folder(path), str(path), mesh)
+    if path.is_file() and _is_gguf(path):
+        cfg, params = load_gguf(path, mesh, mode=mode, dtype=dtype)
+        return LoadedTarget(cfg, params, ChatTokenizer.from_gguf(path), str(path), mesh)
+    if path.is_file() and path.suffix in (".yaml", ".yml"):
+        return _load_preset(load_preset(path), mesh, mode, dtype)
+    if not path.exists() and str(target) in list_presets():
+        return _load_preset(load_preset(str(target)), mesh, mode, dtype)
+    accepted = _ACCEPTED.format(presets=", ".join(list_presets()))
+    if path.exists():
+        raise CheckpointError(f"cannot load target {str(target)!r}: it is neither a folder nor a "
+                              f"GGUF file (no GGUF magic); accepted: {accepted}")
+    raise CheckpointError(f"target {str(target)!r} is not a preset and no such path exists; "
+                          f"accepted: {accepted}")
+
+
+def _load_preset(preset: Preset, mesh: Mesh, mode: str, dtype: str | None) -> LoadedTarget:
+    if preset.weights is None:
+        raise PresetError(
+            f"preset {preset.name!r} names an architecture but ships no weights; download the HF "
+            "checkpoint and pass --target /path/to/hf/folder"
+        )
+    # The only builtin weights today (presets.BUILTIN_WEIGHTS) are SmolLM2's GGUF.
+    path = default_model_path()
+    cfg, params = load_gguf(path, mesh, mode=mode, dtype=dtype or preset.target.dtype)
+    _check_matches(preset, cfg)
+    return LoadedTarget(cfg, params, ChatTokenizer.from_gguf(path), f"{preset.name} ({path})",
+                        mesh)
+
+
+def _check_matches(preset: Preset, cfg: TargetConfig) -> None:
+    # GGUF stores eps as float32 (1e-5 -> 9.99999975e-06); compare it loosely, the rest exactly.
+    want = preset.target.replace(dtype=cfg.dtype, rms_norm_eps=cfg.rms_norm_eps)
+    if want != cfg or abs(preset.target.rms_norm_eps - cfg.rms_norm_eps) > 1e-9:
+        diff = {k: (v, getattr(cfg, k)) for k, v in dataclasses.asdict(preset.target).items()
+                if k != "dtype" and v != getattr(cfg, k)}
+        raise CheckpointError(f"weights of preset {preset.name!r} do not match its config "
+                              f"(preset vs file): {diff}")
+
+
+def _is_gguf(path: Path) -> bool:
+    if path.suffix == ".gguf":
+        return True  # a damaged .gguf gets the GGUF reader's error, which is more useful
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"

@@ -1,0 +1,48 @@
+"""Shared pytest fixtures.
+
+The suite runs on 8 emulated CPU devices (``make test`` sets XLA_FLAGS; we set the same default
+here, before anything imports jax, so a bare ``pytest`` matches). The real SmolLM2 GGUF and
+transformers' own float32 model of it are loaded once per session: the transformers load
+dequantizes 272 tensors and takes ~15 s on two cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path():
+    """Path of the cached SmolLM2-135M-Instruct Q4_1 GGUF (fetched by ``make model``)."""
+    from eagle3_jax.checkpoints.default_model import ModelUnavailableError, default_model_path
+
+    try:
+        return default_model_path()
+    except ModelUnavailableError as e:
+        pytest.skip(f"default model unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf_path):
+    """transformers' float32 eval-mode LlamaForCausalLM loaded from the same GGUF."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name, dtype=torch.float32,
+        local_files_only=True,
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf_path):
+    """Our ChatTokenizer for the default model (cached next to the GGUF after the first run)."""
+    from eagle3_jax.text import ChatTokenizer
+
+    return ChatTokenizer.from_gguf(smollm2_gguf_path)

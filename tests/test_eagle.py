@@ -1,0 +1,324 @@
+"""EAGLE decoding: lossless greedy (equals plain greedy) across tree shapes, batch sizes and
+prompt lengths; lossless sampling (exact target distribution, with a check that the test catches
+a biased acceptance rule); tree invariants; KV compaction equals recomputation; an oracle draft
+reaches the maximum acceptance length depth + 1."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from eagle3_jax.decoding import SamplingParams, generate, probs
+from eagle3_jax.decoding import eagle as eagle_mod
+from eagle3_jax.decoding.eagle import _prefill, _round, generate_eagle
+from eagle3_jax.decoding.tree import (DraftTree, TreeConfig, TreeError, build_tree,
+                                      tree_from_parents)
+from eagle3_jax.decoding.verify import Acceptance
+from eagle3_jax.draft.config import DraftConfig
+from eagle3_jax.draft.model import draft_step_cached, fuse_taps
+from eagle3_jax.draft.params import DraftHead, VocabMap, init_draft_params
+from eagle3_jax.model.config import TargetConfig
+from eagle3_jax.model.params import init_params
+from eagle3_jax.model.target import KVCache, causal_mask, forward
+
+TREES = {
+    "chain": TreeConfig.chain(4),
+    "wide": TreeConfig(top_k=4, depth=2, total_tokens=14),
+    "deep": TreeConfig(top_k=2, depth=6, total_tokens=12),
+    "default": TreeConfig(),
+}
+
+
+def make_models(vocab=96, draft_vocab=48, seed=0, scale=0.3):
+    cfg = TargetConfig(arch="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                       num_layers=6, num_heads=4, num_kv_heads=2, head_dim=8,
+                       tie_word_embeddings=True, max_position_embeddings=512)
+    params = init_params(cfg, jax.random.key(seed), scale=scale)
+    dcfg = DraftConfig.for_target(cfg, draft_vocab_size=draft_vocab)
+    used = np.sort(np.random.default_rng(seed).choice(vocab, draft_vocab, replace=False))
+    head = DraftHead(params=init_draft_params(dcfg, jax.random.key(seed + 1), scale=0.3),
+                     vocab=VocabMap.from_used_ids(used, vocab), cfg=dcfg)
+    return cfg, params, head
+
+
+@pytest.fixture(scope="module")
+def models():
+    return make_models()
+
+
+def _prompts(lengths, vocab, seed=3):
+    width = max(lengths)
+    tokens = np.array(jax.random.randint(jax.random.key(seed), (len(lengths), width), 0, vocab))
+    for i, n in enumerate(lengths):
+        tokens[i, n:] = 0
+    return jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
+
+
+@pytest.mark.parametrize("tree", list(TREES), ids=list(TREES))
+def test_greedy_equals_plain_greedy(models, tree):
+    cfg, params, head = models
+    tokens, lengths = _prompts([13, 5, 1, 9], cfg.vocab_size)
+    plain = generate(params, cfg, tokens, lengths, max_new_tokens=40)
+    out = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=40, tree=TREES[tree])
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.num_generated, plain.num_generated)
+
+
+def test_each_row_equals_its_batch_of_one(models):
+    cfg, params, head = models
+    tokens, lengths = _prompts([11, 4, 7], cfg.vocab_size, seed=5)
+    eos = (7,)
+    batched = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=30,
+                             tree=TREES["default"], eos_token_ids=eos)
+    for row in range(3):
+        n = int(lengths[row])
+        alone = generate_eagle(params, cfg, head, tokens[row:row + 1, :n], lengths[row:row + 1],
+                               max_new_tokens=30, tree=TREES["default"], eos_token_ids=eos)
+        np.testing.assert_array_equal(batched.tokens[row], alone.tokens[0])
+        assert int(batched.rounds[row]) == int(alone.rounds[0])
+
+
+def test_eos_stops_a_row_and_matches_plain(models):
+    cfg, params, head = models
+    tokens, lengths = _prompts([8, 6], cfg.vocab_size, seed=11)
+    plain = generate(params, cfg, tokens, lengths, max_new_tokens=30)
+    eos = int(plain.tokens[0, 5])  # a token row 0 produces: it must stop right before it
+    plain = generate(params, cfg, tokens, lengths, max_new_tokens=30, eos_token_ids=(eos,))
+    out = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=30,
+                         eos_token_ids=(eos,))
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.hit_eos, plain.hit_eos)
+    assert bool(out.hit_eos[0]) and int(out.num_generated[0]) <= 5
+
+
+# ---------------------------------------------------------------------------- oracle draft
+
+
+def oracle_proposer(target_params, head, state, cfg, tree_cfg):
+    """A 'draft' that knows the target's greedy continuation: the chain of the next ``depth``
+    greedy tokens, plus wrong siblings to fill the tree."""
+    depth, b = tree_cfg.depth, state.root.shape[0]
+    cache, token, chain = state.cache, state.root, []
+    for i in range(depth):
+        end = cache.end + i
+        out = forward(target_params, cfg, token[:, None], end[:, None],
+                      causal_mask(end, 1, cache.max_len), dataclasses.replace(cache, end=end))
+        cache = dataclasses.replace(out.cache, end=state.cache.end)
+        token = jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
+        chain.append(token)
+    chain = jnp.stack(chain, 1)  # [B, depth]
+    n = tree_cfg.total_tokens
+    siblings = n - 1 - depth  # attached to chain nodes 0.. (root included), wrong tokens
+    parents = [-1] + list(range(depth)) + [i % depth for i in range(siblings)]
+    wrong = (chain[:, [i % depth for i in range(siblings)]] + 1) % cfg.vocab_size
+    tokens = jnp.concatenate([state.root[:, None], chain, wrong], axis=1)
+    parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
+    return tree_from_parents(tokens.astype(jnp.int32), parents, depth)
+
+
+@pytest.mark.parametrize("tree", [TreeConfig.chain(3), TreeConfig(top_k=2, depth=3,
+                                                                  total_tokens=7)])
+def test_oracle_draft_reaches_max_acceptance(models, tree):
+    cfg, params, head = models
+    tokens, lengths = _prompts([9, 4], cfg.vocab_size)
+    max_new = 1 + 5 * (tree.depth + 1)  # the prefill token, then 5 full rounds
+    out = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=max_new, tree=tree,
+                         proposer=oracle_proposer)
+    plain = generate(params, cfg, tokens, lengths, max_new_tokens=max_new)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.rounds, [5, 5])
+    hist = np.asarray(out.accept_hist)
+    assert (hist[:, tree.depth + 1] == 5).all() and hist.sum() == 10  # tau = depth + 1
+
+
+# ---------------------------------------------------------------------------- tree invariants
+
+
+def _python_ancestors(parents):
+    n = len(parents)
+    anc = np.zeros((n, n), bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            anc[i, j] = True
+            j = parents[j]
+    return anc
+
+
+@pytest.mark.parametrize("tree", list(TREES), ids=list(TREES))
+def test_tree_invariants(models, tree):
+    cfg, params, head = models
+    tree_cfg = TREES[tree]
+    tokens, lengths = _prompts([10, 3, 7], cfg.vocab_size)
+    state = _prefill(params, head, tokens, lengths, jax.random.key(0), cfg=cfg,
+                     tree_cfg=tree_cfg, sampling=SamplingParams(), eos_token_ids=(),
+                     max_new_tokens=16, max_len=64)
+    t = eagle_mod.draft_proposer(params, head, state, cfg, tree_cfg)
+    parents, depths = np.asarray(t.parents), np.asarray(t.depths)
+    n = tree_cfg.total_tokens
+    assert t.tokens.shape == (3, n)
+    np.testing.assert_array_equal(t.tokens[:, 0], state.root)
+    for b in range(3):
+        assert parents[b, 0] == -1
+        assert all(0 <= parents[b, i] < i for i in range(1, n)), "parent-first and connected"
+        anc = _python_ancestors(parents[b])
+        np.testing.assert_array_equal(t.ancestors[b], anc)
+        np.testing.assert_array_equal(depths[b], anc.sum(1) - 1)  # position offset = depth
+        assert depths[b].max() <= tree_cfg.depth
+        for i in range(n):  # paths list the ancestors root-first
+            path = np.asarray(t.paths[b, i])
+            assert list(path[: depths[b, i] + 1]) == sorted(np.flatnonzero(anc[i]))
+            assert (path[depths[b, i] + 1:] == -1).all()
+        # No node has more than top_k children; siblings are distinct tokens.
+        for i in range(n):
+            kids = np.flatnonzero(parents[b] == i)
+            assert len(kids) <= tree_cfg.top_k
+            assert len(set(np.asarray(t.tokens[b, kids]).tolist())) == len(kids)
+    # Level 1 holds the draft's own top choices for the root.
+    top = np.asarray(head.vocab.draft_to_target)[
+        np.argsort(-np.asarray(state.root_logp), axis=1)[:, :tree_cfg.top_k]]
+    for b in range(3):
+        level1 = set(np.asarray(t.tokens[b])[depths[b] == 1].tolist())
+        assert level1 <= set(top[b].tolist()) and len(level1) >= 1
+    if tree_cfg.top_k == 1:
+        np.testing.assert_array_equal(parents, np.broadcast_to(np.arange(n) - 1, (3, n)))
+
+
+def test_impossible_tree_sizes_are_refused():
+    with pytest.raises(TreeError, match="total_tokens <= 3"):
+        TreeConfig(top_k=1, depth=2, total_tokens=10)
+    with pytest.raises(TreeError, match="positive integer"):
+        TreeConfig(top_k=0)
+    with pytest.raises(TreeError, match="at least 2"):
+        TreeConfig(total_tokens=1)
+
+
+# ------------------------------------------------------------------ KV compaction vs recompute
+
+
+def test_commit_equals_recomputing_the_caches(models):
+    cfg, params, head = models
+    tree_cfg = TreeConfig(top_k=2, depth=3, total_tokens=7)
+    tokens, lengths = _prompts([7, 12], cfg.vocab_size)
+    kw = dict(cfg=cfg, tree_cfg=tree_cfg, sampling=SamplingParams(), eos_token_ids=())
+    state = _prefill(params, head, tokens, lengths, jax.random.key(0), max_new_tokens=40,
+                     max_len=64, **kw)
+    step = jax.jit(functools.partial(_round, proposer=oracle_proposer, max_new_tokens=40, **kw))
+    for _ in range(3):
+        state = step(params, head, state)
+    for b in range(2):
+        n_prompt, end = int(lengths[b]), int(state.cache.end[b])
+        emitted = np.asarray(state.tokens[b, : int(state.num_generated[b])])
+        committed = np.concatenate([np.asarray(tokens[b, :n_prompt]), emitted[:-1]])
+        assert len(committed) == end and emitted[-1] == int(state.root[b])
+        seq = jnp.asarray(committed)[None]
+        ref = forward(params, cfg, seq, jnp.arange(end)[None],
+                      causal_mask(jnp.zeros((1,), jnp.int32), end, 64), KVCache.zeros(cfg, 1, 64),
+                      tap_layers=head.cfg.tap_layers)
+        np.testing.assert_allclose(state.cache.k[:, b, :end], ref.cache.k[:, 0, :end], atol=2e-5)
+        np.testing.assert_allclose(state.cache.v[:, b, :end], ref.cache.v[:, 0, :end], atol=2e-5)
+        # The draft cache equals a draft prefill over the same context from scratch.
+        nxt = jnp.asarray(np.append(committed[1:], emitted[-1]))[None]
+        zeros = jnp.zeros((1, 64, head.cfg.num_kv_heads, head.cfg.head_dim))
+        _, _, dk, _ = draft_step_cached(head.params, head.cfg, params["embed"][nxt],
+                                        fuse_taps(head.params, ref.taps), jnp.arange(end)[None],
+                                        causal_mask(jnp.zeros((1,), jnp.int32), end, 64), zeros,
+                                        zeros, jnp.arange(end)[None])
+        np.testing.assert_allclose(state.draft_k[b, :end], dk[0, :end], atol=2e-5)
+
+
+# ---------------------------------------------------------------- lossless sampling (exact)
+
+SAMPLERS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)]
+
+
+def _exact_joint(params, cfg, prompt, sampling):
+    """P(t1, t2 | prompt) [V, V] under the target with the sampling rules applied."""
+    v = cfg.vocab_size
+    n = prompt.shape[0]
+    seqs = jnp.concatenate([jnp.broadcast_to(prompt, (v, n)), jnp.arange(v)[:, None]], axis=1)
+    mask = jnp.tril(jnp.ones((n + 1, n + 1), bool))[None].repeat(v, 0)
+    out = forward(params, cfg, seqs, jnp.broadcast_to(jnp.arange(n + 1), (v, n + 1)), mask)
+    p1 = probs(out.logits[0, n - 1][None], sampling)[0]
+    p2 = probs(out.logits[:, n], sampling)
+    return np.asarray(p1[:, None] * p2, np.float64)
+
+
+def _sample_pairs(params, cfg, head, prompt, sampling, samples, seed):
+    tokens = jnp.broadcast_to(prompt, (samples, prompt.shape[0]))
+    lengths = jnp.full((samples,), prompt.shape[0], jnp.int32)
+    out = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=2,
+                         tree=TreeConfig(top_k=3, depth=2, total_tokens=6), sampling=sampling,
+                         key=jax.random.key(seed))
+    assert (np.asarray(out.num_generated) == 2).all()
+    return np.asarray(out.tokens)
+
+
+def _chi_square_pvalue(pairs, exact):
+    v = exact.shape[0]
+    observed = np.bincount(pairs[:, 0] * v + pairs[:, 1], minlength=v * v).astype(float)
+    expected = exact.reshape(-1) * len(pairs)
+    big = expected >= 5  # pool the rare cells into one
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    assert observed[exact.reshape(-1) == 0].sum() == 0, "sampled a token of probability 0"
+    return stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_models():
+    return make_models(vocab=8, draft_vocab=8, seed=4, scale=0.5)
+
+
+@pytest.mark.parametrize("sampling", SAMPLERS, ids=["t1", "t0.7-k5-p0.9"])
+def test_sampling_is_lossless(tiny_vocab_models, sampling):
+    cfg, params, head = tiny_vocab_models
+    prompt = jnp.asarray([1, 5, 2, 7, 3], jnp.int32)
+    exact = _exact_joint(params, cfg, prompt, sampling)
+    pairs = _sample_pairs(params, cfg, head, prompt, sampling, samples=6000, seed=0)
+    assert _chi_square_pvalue(pairs, exact) > 1e-3
+
+
+def _biased_accept(key, tree, logits, sampling, top_k):
+    """A classic bug: on rejection the target distribution is not adjusted (no p(x) = 0)."""
+    b = tree.tokens.shape[0]
+    rows = jnp.arange(b)
+    target_p = probs(logits, sampling)
+    node, alive = jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool)
+    path, count = [node], jnp.zeros((b,), jnp.int32)
+    keys = jax.random.split(key, 64)
+    depth = tree.paths.shape[-1] - 1
+    for level in range(depth):
+        order = jnp.argsort(~(tree.parents == node[:, None]), axis=1, stable=True)[:, :top_k]
+        valid = jnp.take_along_axis(tree.parents == node[:, None], order, axis=1)
+        chosen = jnp.full((b,), -1, jnp.int32)
+        for j in range(top_k):
+            child = order[:, j]
+            u = jax.random.uniform(keys[level * top_k + j], (b,))
+            ok = valid[:, j] & alive & (chosen < 0) & (u < target_p[rows, node,
+                                                                    tree.tokens[rows, child]])
+            chosen = jnp.where(ok, child, chosen)
+        moved = alive & (chosen >= 0)
+        node = jnp.where(moved, chosen, node)
+        path.append(jnp.where(moved, chosen, -1))
+        count, alive = count + moved, moved
+    bonus = jax.random.categorical(keys[-1], jnp.log(target_p[rows, node]), axis=-1)
+    return Acceptance(path=jnp.stack(path, 1), num_accepted=count, bonus=bonus.astype(jnp.int32))
+
+
+def test_chi_square_catches_a_biased_acceptance_rule(tiny_vocab_models, monkeypatch):
+    cfg, params, head = tiny_vocab_models
+    prompt = jnp.asarray([1, 5, 2, 7, 3], jnp.int32)
+    sampling = SAMPLERS[0]
+    monkeypatch.setattr(eagle_mod, "accept", _biased_accept)
+    eagle_mod._generate_jit.clear_cache()
+    try:
+        pairs = _sample_pairs(params, cfg, head, prompt, sampling, samples=6000, seed=0)
+    finally:
+        eagle_mod._generate_jit.clear_cache()
+    assert _chi_square_pvalue(pairs, _exact_joint(params, cfg, prompt, sampling)) < 1e-6

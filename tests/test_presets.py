@@ -1,0 +1,92 @@
+"""Every YAML preset in configs/ loads into a valid TargetConfig of the published size."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle3_jax.model.config import RopeScaling
+from eagle3_jax.presets import CONFIGS_DIR, PresetError, list_presets, load_preset
+from eagle3_jax.sharding import MeshConfig
+
+# Published parameter counts (model cards / HF safetensors metadata), +-2%.
+PUBLISHED_PARAMS = {
+    "smollm2-135m": 134.5e6,
+    "llama-3.1-8b-instruct": 8.03e9,
+    "qwen3-8b": 8.19e9,
+    "qwen2.5-7b-instruct": 7.62e9,
+    "vicuna-7b-v1.3": 6.74e9,
+}
+
+
+def test_every_preset_has_a_published_size():
+    assert set(list_presets()) == set(PUBLISHED_PARAMS)
+
+
+def test_other_configs_are_not_presets():
+    # configs/ also holds training configs (``target: <preset name>``); they are not listed.
+    others = {p.stem for p in CONFIGS_DIR.glob("*.yaml")} - set(list_presets())
+    for name in others:
+        with pytest.raises(PresetError, match="unknown preset"):
+            load_preset(name)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_preset_loads(name):
+    preset = load_preset(name)
+    assert preset.name == name
+    assert isinstance(preset.mesh, MeshConfig)
+    assert preset.notes
+    want = PUBLISHED_PARAMS[name]
+    assert abs(preset.target.num_params - want) / want < 0.02, preset.target.num_params
+    hash(preset.target)  # usable as a static jit argument
+    # load by path as well as by name
+    assert load_preset(CONFIGS_DIR / f"{name}.yaml") == preset
+
+
+def test_preset_details():
+    smol = load_preset("smollm2-135m")
+    assert smol.weights == "builtin:smollm2-135m-instruct"
+    assert smol.target.dtype == "float32" and smol.target.tie_word_embeddings
+    assert smol.target.eagle3_tap_layers == (2, 15, 27)
+
+    llama = load_preset("llama-3.1-8b-instruct")
+    assert llama.weights is None and llama.target.dtype == "bfloat16"
+    assert llama.target.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    assert llama.target.eagle3_tap_layers == (2, 16, 29)
+    assert not llama.target.tie_word_embeddings
+
+    qwen3 = load_preset("qwen3-8b")
+    assert qwen3.target.qk_norm and not qwen3.target.attention_bias
+    assert qwen3.target.max_position_embeddings == 40960
+    assert load_preset("qwen2.5-7b-instruct").target.attention_bias
+    vicuna = load_preset("vicuna-7b-v1.3").target
+    assert vicuna.num_kv_heads == vicuna.num_heads == 32 and vicuna.max_position_embeddings == 2048
+
+
+def test_unknown_preset_lists_available():
+    with pytest.raises(PresetError,
+                       match="unknown preset 'llama-5'.*llama-3.1-8b-instruct.*qwen3-8b"):
+        load_preset("llama-5")
+
+
+@pytest.mark.parametrize("text,match", [
+    ("name: x\ntarget: {arch: llama}\n", "incomplete target config"),
+    ("target: {arch: gpt2}\n", "unknown target config keys|incomplete|unknown architecture"),
+    ("name: x\ntarget: 3\n", "'target' must be a mapping"),
+    ("name: x\nbogus: 1\ntarget: {}\n", r"unknown keys \['bogus'\]"),
+    ("name: x\nweights: s3://x\ntarget: {}\n", "weights must be null"),
+])
+def test_malformed_preset(tmp_path, text, match):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(PresetError, match=match):
+        load_preset(path)
+
+
+def test_bad_mesh(tmp_path):
+    text = (CONFIGS_DIR / "smollm2-135m.yaml").read_text().replace(
+        "mesh: {data: -1, fsdp: 1, tensor: 1}", "mesh: {data: -1, fsdp: -1, tensor: 1}")
+    path = tmp_path / "m.yaml"
+    path.write_text(text)
+    with pytest.raises(PresetError, match="at most one mesh axis may be -1"):
+        load_preset(path)
