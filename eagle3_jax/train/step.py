@@ -77,6 +77,21 @@ def packed_causal_mask(segment_ids: jax.Array) -> jax.Array:
     return causal & same & (segment_ids[:, :, None] > 0)
 
 
+def labels_from_hidden(hidden: jax.Array, head_rows: jax.Array,
+                       vocab: VocabMap) -> tuple[jax.Array, jax.Array]:
+    """The TTT labels from the target's final normed hidden state [B, T, D] and head [V, D].
+
+    Returns (target_logp [B, T, Vd] float32: log-softmax of the logits restricted to the draft
+    vocabulary; target_in_draft [B, T] bool: t2d of the full-vocabulary argmax). Shared by
+    online training (:func:`target_ttt_batch`) and offline features (``train/offline.py``).
+    """
+    draft_rows = jnp.take(head_rows, vocab.draft_to_target, axis=0)  # [Vd, D]
+    restricted = jnp.einsum("BTD,VD->BTV", hidden, draft_rows,
+                            preferred_element_type=jnp.float32)
+    in_draft = vocab.t2d[chunked_argmax(hidden, head_rows)]
+    return jax.nn.log_softmax(restricted, axis=-1), in_draft
+
+
 def target_ttt_batch(target_params: Params, target_cfg: TargetConfig, draft_cfg: DraftConfig,
                      vocab: VocabMap, batch: dict[str, jax.Array]) -> TTTBatch:
     """Run the frozen target on a data batch and build the TTT inputs.
@@ -87,12 +102,9 @@ def target_ttt_batch(target_params: Params, target_cfg: TargetConfig, draft_cfg:
     out = forward(target_params, target_cfg, tokens, positions, packed_causal_mask(segments),
                   tap_layers=draft_cfg.tap_layers, compute_logits=False)
     head_rows = _head_columns(target_params, target_cfg)
-    draft_rows = jnp.take(head_rows, vocab.draft_to_target, axis=0)  # [Vd, D]
-    restricted = jnp.einsum("BTD,VD->BTV", out.hidden, draft_rows,
-                            preferred_element_type=jnp.float32)
-    in_draft = vocab.t2d[chunked_argmax(out.hidden, head_rows)]
+    target_logp, in_draft = labels_from_hidden(out.hidden, head_rows, vocab)
     return jax.lax.stop_gradient(TTTBatch(
-        tokens=tokens, taps=out.taps, target_logp=jax.nn.log_softmax(restricted, axis=-1),
+        tokens=tokens, taps=out.taps, target_logp=target_logp,
         target_in_draft=in_draft, loss_mask=batch["loss_mask"].astype(bool),
         segment_ids=segments, positions=positions,
     ))

@@ -1,0 +1,54 @@
+"""``python -m eagle3_jax.train --config configs/<preset>.yaml [key=value ...]``
+
+Trains (or resumes, when ``out_dir`` already holds checkpoints) an EAGLE-3 draft head.
+Overrides use dotted keys for nested sections: ``optimizer.learning_rate=3e-4 mesh.data=2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from eagle3_jax.draft.export import DraftExportError
+from eagle3_jax.model.config import ConfigError
+from eagle3_jax.train.checkpointing import CheckpointError
+from eagle3_jax.train.config import load_train_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle3_jax.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help="train config YAML (configs/train-*.yaml)")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="stop (with a checkpoint) once this global step is reached")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config and exit")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_train_config(args.config, args.overrides)
+        if args.print_config:
+            print(json.dumps(cfg.to_dict(), indent=2))
+            return 0
+        from eagle3_jax.train.loop import train
+
+        summary = train(cfg, max_steps=args.max_steps)
+    except (ConfigError, CheckpointError, DraftExportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # data / preset / checkpoint loaders raise their own ValueErrors
+        if type(e).__name__ in ("DataError", "PresetError", "ModelUnavailableError", "MeshError"):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
+    summary.pop("draft_config", None)
+    summary["losses"] = summary["losses"][-5:]
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

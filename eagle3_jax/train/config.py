@@ -1,0 +1,241 @@
+"""The training-run config: one frozen dataclass, read from YAML with ``key=value`` overrides.
+
+A file (``configs/train-*.yaml``) holds the fields of :class:`TrainConfig`; ``optimizer`` and
+``mesh`` are nested mappings of :class:`OptimizerConfig` (minus ``total_steps``, which is the
+run's ``total_steps``) and :class:`MeshConfig`. Overrides use dotted keys for nesting::
+
+    python -m eagle3_jax.train --config configs/train-smollm2-135m.yaml \\
+        total_steps=200 optimizer.learning_rate=3e-4 mesh.data=2
+
+Values are parsed as YAML scalars, then coerced to the field's type (``3e-4`` is a float for a
+float field, ``null`` clears an optional field). Unknown keys and bad values raise
+:class:`ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from eagle3_jax.model.config import ConfigError
+from eagle3_jax.sharding import MeshConfig, MeshError
+from eagle3_jax.train.step import OptimizerConfig
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a draft-head training run needs.
+
+    target: a preset name, a checkpoint path (HF folder / GGUF), or ``random:<preset>`` (the
+      preset's architecture with random weights, for smoke tests).
+    train_data / eval_data: tokenised record files (``eagle3_jax.data``); with no eval_data,
+      ``eval_fraction`` of the training records is held out.
+    draft_vocab: a draft-vocabulary file (d2t/t2d); None -> identity when draft_vocab_size
+      equals the target vocabulary, else built from the training records.
+    batch_size: global sequences per micro-batch; each optimiser step sees grad_accum of them.
+    """
+
+    target: str = "smollm2-135m"
+    target_sharding: str = "serving"  # rules for the frozen target: "serving" or "training"
+    train_data: str | None = None
+    eval_data: str | None = None
+    eval_fraction: float = 0.02
+    draft_vocab: str | None = None
+    draft_vocab_size: int = 32000
+    max_len: int = 2048
+    batch_size: int = 8
+    grad_accum: int = 1
+    pack: bool = True
+    shuffle: bool = True
+    ttt_steps: int = 7
+    optimizer: OptimizerConfig = OptimizerConfig()
+    mesh: MeshConfig = MeshConfig()
+    seed: int = 0
+    out_dir: str = "runs/eagle3"
+    total_steps: int = 10000
+    save_every: int = 500
+    keep_checkpoints: int = 3
+    eval_every: int = 500
+    eval_batches: int = 8
+    log_every: int = 10
+    dtype: str = "float32"  # parameter dtype of the target and the draft
+    compute_dtype: str | None = None  # draft compute dtype; None = dtype
+    progress: bool = True  # tqdm progress bar
+
+    def __post_init__(self):
+        # The LR schedule decays over the run's own length.
+        if self.optimizer.total_steps != self.total_steps:
+            object.__setattr__(self, "optimizer",
+                               dataclasses.replace(self.optimizer, total_steps=self.total_steps))
+        positive = ("draft_vocab_size", "max_len", "batch_size", "grad_accum", "ttt_steps",
+                    "total_steps", "save_every", "keep_checkpoints", "eval_every", "log_every")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"train config: {name} must be a positive integer, got {value!r}")
+        if not isinstance(self.eval_batches, int) or self.eval_batches < 0:
+            raise ConfigError(f"train config: eval_batches must be >= 0, got {self.eval_batches!r}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"train config: eval_fraction must be in [0, 1), "
+                              f"got {self.eval_fraction!r}")
+        if self.target_sharding not in ("serving", "training"):
+            raise ConfigError("train config: target_sharding must be 'serving' or 'training', "
+                              f"got {self.target_sharding!r}")
+        for name in ("dtype", "compute_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _DTYPES:
+                raise ConfigError(f"train config: {name} must be one of {_DTYPES}, got {value!r}")
+        opt = self.optimizer
+        if not opt.learning_rate > 0:
+            raise ConfigError(f"train config: optimizer.learning_rate must be > 0, "
+                              f"got {opt.learning_rate!r}")
+        if opt.warmup_steps < 0 or opt.grad_clip <= 0 or opt.weight_decay < 0:
+            raise ConfigError("train config: optimizer needs warmup_steps >= 0, grad_clip > 0, "
+                              f"weight_decay >= 0; got {opt}")
+        if not (0 <= opt.b1 < 1 and 0 <= opt.b2 < 1 and 0 <= opt.min_lr_ratio <= 1):
+            raise ConfigError(f"train config: optimizer b1, b2 must be in [0, 1) and min_lr_ratio "
+                              f"in [0, 1]; got {opt}")
+        if not self.out_dir:
+            raise ConfigError("train config: out_dir must be set")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.grad_accum * self.max_len
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["optimizer"].pop("total_steps")
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "train config") -> "TrainConfig":
+        """Build from a (nested) mapping, coercing values to the field types."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source} must be a mapping of TrainConfig fields")
+        kwargs = _coerce_fields(cls, data, source, prefix="")
+        try:
+            return cls(**kwargs)
+        except MeshError as e:
+            raise ConfigError(f"{source}: mesh: {e}") from None
+
+
+def load_train_config(path: str | Path | None = None,
+                      overrides: Sequence[str] = ()) -> TrainConfig:
+    """A YAML train config (defaults when ``path`` is None) with ``key=value`` overrides."""
+    data: dict[str, Any] = {}
+    source = "train config"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"train config file {source!r} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{source} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source} must hold a mapping of TrainConfig fields")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key=value (dotted keys nest, "
+                              "e.g. optimizer.learning_rate=3e-4)")
+        try:
+            value = yaml.safe_load(raw) if raw else None
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a nested section")
+            node = child
+        node[parts[-1]] = value
+    return TrainConfig.from_dict(data, source)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _coerce_fields(cls, data: Mapping[str, Any], source: str, prefix: str) -> dict[str, Any]:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    allowed = set(fields)
+    if cls is OptimizerConfig:
+        allowed.discard("total_steps")  # set by the run's total_steps
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        where = f" in {prefix.rstrip('.')}" if prefix else ""
+        raise ConfigError(f"{source}: unknown key(s) {[prefix + u for u in unknown]}{where}; "
+                          f"known: {sorted(allowed)}")
+    out = {}
+    for name, value in data.items():
+        hint = hints[name]
+        key = prefix + name
+        if dataclasses.is_dataclass(hint):
+            if value is None:
+                continue
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{source}: {key} must be a mapping of {hint.__name__} fields, "
+                                  f"got {value!r}")
+            try:
+                out[name] = hint(**_coerce_fields(hint, value, source, key + "."))
+            except (MeshError, ConfigError) as e:
+                raise ConfigError(f"{source}: {key}: {e}") from None
+        else:
+            out[name] = _coerce(hint, value, key, source)
+    return out
+
+
+def _coerce(hint: Any, value: Any, key: str, source: str) -> Any:
+    args = typing.get_args(hint)
+    optional = (typing.get_origin(hint) in (typing.Union, types.UnionType)
+                and type(None) in args)
+    if optional:
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    bad = ConfigError(f"{source}: {key} must be {getattr(hint, '__name__', hint)}"
+                      f"{' or null' if optional else ''}, got {value!r}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise bad
+    if hint is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if not isinstance(value, (int, str)):
+            raise bad
+        try:
+            return int(value)
+        except ValueError:
+            raise bad from None
+    if hint is float:
+        if isinstance(value, bool):
+            raise bad
+        try:
+            return float(value)  # YAML 1.1 reads "3e-4" as a string
+        except (TypeError, ValueError):
+            raise bad from None
+    if hint is str:
+        if isinstance(value, (dict, list)) or value is None:
+            raise bad
+        return str(value)
+    return value

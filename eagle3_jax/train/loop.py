@@ -1,0 +1,440 @@
+"""The draft-head training loop: ``train(cfg)`` from config to checkpoints, metrics and a plot.
+
+    mesh <- cfg.mesh
+    frozen target (sharded by cfg.target_sharding rules) <- cfg.target | target_override
+    draft vocabulary <- out_dir/draft_vocab.npz (resume) | cfg.draft_vocab | identity | built
+    TrainState <- latest checkpoint (with the data iterator position) | fresh, created sharded
+    repeat: host batch [A*B_local, T] -> [A, B, T] global array -> jitted train_step
+            log every log_every, evaluate every eval_every, checkpoint every save_every
+
+Resuming restores params, optimiser state, step, RNG and the grain iterator, so a killed run
+continues with exactly the losses an uninterrupted run would have had.
+
+Run folder (``cfg.out_dir``)::
+
+    checkpoints/<step>/   orbax steps (eagle3_jax.train.checkpointing)
+    draft_vocab.npz       d2t / t2d (absent for an identity vocabulary)
+    train_config.yaml     the resolved config of the latest start
+    metrics.jsonl         eagle3_jax.train.metrics
+    accuracy.png          per-step accuracy over training
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+import optax
+import yaml
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from eagle3_jax.draft.config import DraftConfig
+from eagle3_jax.draft.params import DraftHead, VocabMap, draft_param_specs, init_draft_params
+from eagle3_jax.model.config import ConfigError, TargetConfig
+from eagle3_jax.model.params import Params, init_params, param_specs
+from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
+from eagle3_jax.train.checkpointing import CheckpointError, TrainCheckpointer, abstract_state
+from eagle3_jax.train.config import TrainConfig
+from eagle3_jax.train.metrics import MetricsWriter, plot_accuracy, read_metrics
+from eagle3_jax.train.step import (OptimizerConfig, TrainState, eval_step,
+                                   simulated_accept_length, train_step)
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+VOCAB_FILE = "draft_vocab.npz"
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "accuracy.png"
+BATCH_AXES = ("data", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetOverride:
+    """An in-memory target (tests, notebooks): config and params (host or device arrays)."""
+
+    cfg: TargetConfig
+    params: Params
+    tokenizer: Any = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up pieces.
+
+
+def load_frozen_target(cfg: TrainConfig, mesh: Mesh,
+                       override: TargetOverride | None = None) -> tuple[TargetConfig, Params, str]:
+    """(target config, params sharded on ``mesh``, description) for the run."""
+    mode = cfg.target_sharding
+    if override is not None:
+        tcfg = override.cfg
+        shardings = param_shardings(param_specs(tcfg), mesh, mode)
+        return tcfg, jax.device_put(override.params, shardings), "in-memory override"
+    if cfg.target.startswith("random:"):
+        from eagle3_jax.presets import load_preset
+
+        tcfg = load_preset(cfg.target[len("random:"):]).target.replace(dtype=cfg.dtype)
+        shardings = param_shardings(param_specs(tcfg), mesh, mode)
+        init = jax.jit(init_params, static_argnums=0, out_shardings=shardings)
+        return tcfg, init(tcfg, jax.random.key(cfg.seed + 1)), cfg.target
+    from eagle3_jax.checkpoints import load_target
+
+    loaded = load_target(cfg.target, mesh=mesh, mode=mode, dtype=cfg.dtype)
+    return loaded.cfg, loaded.params, loaded.source
+
+
+def _load_records(records: Any, path: str | None):
+    """In-memory records as given, else the tokenised file at ``path`` (None when unset)."""
+    if records is not None:
+        return records
+    if path is None:
+        return None
+    from eagle3_jax.data import TokenizedRecords
+
+    return TokenizedRecords.load(path)
+
+
+class _Slice:
+    """records[start:stop] as a random-access source (no copy)."""
+
+    def __init__(self, records, start: int, stop: int):
+        self.records, self.start, self.stop = records, start, stop
+
+    def __len__(self):
+        return self.stop - self.start
+
+    def __getitem__(self, i):
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.records[self.start + i]
+
+
+def split_records(cfg: TrainConfig, train_records, eval_records):
+    """(train, eval) sources; with no eval set, the last eval_fraction of train is held out."""
+    if train_records is None:
+        raise ConfigError("train config: train_data is not set (a tokenised .npz/.jsonl from "
+                          "`python -m eagle3_jax.data prepare`)")
+    if eval_records is not None or cfg.eval_fraction == 0 or cfg.eval_batches == 0:
+        return train_records, eval_records
+    n = len(train_records)
+    held = max(1, int(round(n * cfg.eval_fraction)))
+    if held >= n:
+        return train_records, None
+    return _Slice(train_records, 0, n - held), _Slice(train_records, n - held, n)
+
+
+def resolve_vocab(cfg: TrainConfig, tcfg: TargetConfig, out_dir: Path, train_records) -> VocabMap:
+    """The run's draft vocabulary; written to ``out_dir/draft_vocab.npz`` so resume reuses it."""
+    from eagle3_jax.data import build_draft_vocab, load_vocab_map, save_vocab
+
+    saved = out_dir / VOCAB_FILE
+    if saved.is_file():
+        vocab = load_vocab_map(saved)
+    elif cfg.draft_vocab is not None:
+        vocab = load_vocab_map(cfg.draft_vocab)
+    elif cfg.draft_vocab_size >= tcfg.vocab_size:
+        return VocabMap.identity(tcfg.vocab_size)
+    else:
+        used, counts = build_draft_vocab((train_records[i] for i in range(len(train_records))),
+                                         tcfg.vocab_size, cfg.draft_vocab_size)
+        save_vocab(saved, used, tcfg.vocab_size, counts)
+        return VocabMap.from_used_ids(used, tcfg.vocab_size)
+    if vocab.t2d.shape[0] != tcfg.vocab_size:
+        raise ConfigError(f"draft vocabulary {cfg.draft_vocab or saved} covers a vocabulary of "
+                          f"{vocab.t2d.shape[0]}, the target has {tcfg.vocab_size}")
+    if not saved.is_file():
+        used = np.asarray(vocab.draft_to_target)
+        save_vocab(saved, used, tcfg.vocab_size)
+    return vocab
+
+
+def state_shardings(state_shapes: TrainState, param_sh: Params, mesh: Mesh) -> TrainState:
+    """Shardings for a whole TrainState: optimiser leaves that mirror a parameter (Adam's mu,
+    nu) take its sharding, matched by the trailing dict key and shape; the rest replicate."""
+    replicated = NamedSharding(mesh, P())
+    shapes = {name: x.shape for name, x in state_shapes.params.items()}
+
+    def pick(path, leaf):
+        last = path[-1] if path else None
+        name = getattr(last, "key", None)
+        if name in param_sh and tuple(leaf.shape) == tuple(shapes[name]):
+            return param_sh[name]
+        return replicated
+
+    opt_sh = jax.tree_util.tree_map_with_path(pick, state_shapes.opt_state)
+    return TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
+
+
+def _create_state(draft_cfg: DraftConfig, optimizer: optax.GradientTransformation,
+                  key: jax.Array) -> TrainState:
+    init_key, state_key = jax.random.split(key)
+    return TrainState.create(init_draft_params(draft_cfg, init_key), optimizer, state_key)
+
+
+def abstract_train_state(draft_cfg: DraftConfig, optimizer: optax.GradientTransformation,
+                         mesh: Mesh) -> tuple[TrainState, TrainState]:
+    """(state shapes, state shardings) without allocating anything."""
+    shapes = jax.eval_shape(functools.partial(_create_state, draft_cfg, optimizer),
+                            jax.random.key(0))
+    param_sh = param_shardings(draft_param_specs(draft_cfg), mesh, "training")
+    return shapes, state_shardings(shapes, param_sh, mesh)
+
+
+def _lr_schedule(opt: OptimizerConfig):
+    # Mirrors OptimizerConfig.build(), for logging only.
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=opt.learning_rate, warmup_steps=max(opt.warmup_steps, 1),
+        decay_steps=max(opt.total_steps, opt.warmup_steps + 1),
+        end_value=opt.learning_rate * opt.min_lr_ratio)
+
+
+def _global_batch(host: dict[str, np.ndarray], sharding: NamedSharding, lead: tuple[int, ...],
+                  global_rows: int) -> dict[str, jax.Array]:
+    """Host rows [lead..., B_local, T] -> global arrays [lead..., B, T] sharded on the B axis."""
+    out = {}
+    for name, value in host.items():
+        value = np.asarray(value, bool if name == "loss_mask" else np.int32)
+        local = value.reshape(*lead, -1, value.shape[-1])
+        shape = (*lead, global_rows, value.shape[-1])
+        out[name] = jax.make_array_from_process_local_data(sharding, local, shape)
+    return out
+
+
+def _run_metadata(cfg: TrainConfig, tcfg: TargetConfig, draft_cfg: DraftConfig,
+                  source: str, identity_vocab: bool) -> dict[str, Any]:
+    return {"train_config": cfg.to_dict(), "draft_config": draft_cfg.to_dict(),
+            "target_config": tcfg.to_dict(), "target_source": source,
+            "draft_vocab_file": None if identity_vocab else VOCAB_FILE}
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop.
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    max_steps: int | None = None,
+    target_override: TargetOverride | None = None,
+    train_records: Sequence | None = None,
+    eval_records: Sequence | None = None,
+) -> dict[str, Any]:
+    """Train (or resume) a draft head as ``cfg`` says.
+
+    Args:
+      cfg: the run config; ``cfg.out_dir`` holding checkpoints means resume.
+      max_steps: stop once the global step reaches this (a checkpoint is written there), as if
+        the job were pre-empted; None runs to ``cfg.total_steps``.
+      target_override: an in-memory target instead of ``cfg.target``.
+      train_records / eval_records: random-access sequences of {input_ids, loss_mask} instead of
+        ``cfg.train_data`` / ``cfg.eval_data``.
+    Returns:
+      summary dict: start_step, end_step, losses (one per step run here), last train metrics,
+      last eval metrics (with accept_length), out_dir, checkpoint steps, elapsed seconds.
+    """
+    from eagle3_jax.data import make_train_iterator
+
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mesh = make_mesh(cfg.mesh)
+    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.batch_size % batch_shards or cfg.batch_size % jax.process_count():
+        raise ConfigError(f"train config: batch_size {cfg.batch_size} must be a multiple of the "
+                          f"data x fsdp mesh size {batch_shards} and of the process count "
+                          f"{jax.process_count()}")
+    local_batch = cfg.batch_size // jax.process_count()
+
+    # Data first: a missing file should fail before minutes of weight loading.
+    train_records = _load_records(train_records, cfg.train_data)
+    eval_records = _load_records(eval_records, cfg.eval_data)
+    train_records, eval_records = split_records(cfg, train_records, eval_records)
+    tcfg, target_params, source = load_frozen_target(cfg, mesh, target_override)
+    vocab = resolve_vocab(cfg, tcfg, out_dir, train_records)
+    draft_cfg = DraftConfig.for_target(tcfg, draft_vocab_size=int(vocab.d2t.shape[0]),
+                                       ttt_steps=cfg.ttt_steps, dtype=cfg.dtype)
+    optimizer = cfg.optimizer.build()
+    metadata = _run_metadata(cfg, tcfg, draft_cfg, source,
+                             draft_cfg.draft_vocab_size == tcfg.vocab_size)
+
+    replicated = NamedSharding(mesh, P())
+    vocab = jax.device_put(vocab, replicated)
+    shapes, state_sh = abstract_train_state(draft_cfg, optimizer, mesh)
+    target_sh = jax.tree.map(lambda x: x.sharding, target_params)
+    batch_sh = NamedSharding(mesh, P(None, BATCH_AXES, None))  # [A, B, T]
+    eval_batch_sh = NamedSharding(mesh, P(BATCH_AXES, None))  # [B, T]
+
+    data_iter = make_train_iterator(
+        train_records, batch_size=local_batch * cfg.grad_accum, max_len=cfg.max_len,
+        seed=cfg.seed, shuffle=cfg.shuffle, pack=cfg.pack,
+        shard_index=jax.process_index(), shard_count=jax.process_count())
+    ckpt = TrainCheckpointer(out_dir / CHECKPOINT_DIR, max_to_keep=cfg.keep_checkpoints)
+    resume_step = ckpt.latest_step()
+    if resume_step is not None:
+        saved = ckpt.read_metadata(resume_step)
+        try:
+            saved_cfg = DraftConfig.from_dict(saved.get("draft_config") or {})
+        except (ConfigError, TypeError) as e:
+            raise CheckpointError(f"{ckpt.directory}/{resume_step}: unreadable draft config "
+                                  f"({e}); use a new out_dir") from None
+        if saved_cfg != draft_cfg:
+            raise CheckpointError(
+                f"{ckpt.directory} holds a head with config {saved.get('draft_config')}, but this "
+                f"run builds {draft_cfg.to_dict()}; use a new out_dir or the original config")
+        state, _ = ckpt.restore(abstract_state(shapes, state_sh), data_iter, resume_step)
+        log.info("resumed from %s at step %d", ckpt.directory, resume_step)
+    else:
+        create = jax.jit(functools.partial(_create_state, draft_cfg, optimizer),
+                         out_shardings=state_sh)
+        state = create(jax.random.key(cfg.seed))
+    (out_dir / "train_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+    step_fn = jax.jit(
+        functools.partial(train_step, target_cfg=tcfg, draft_cfg=draft_cfg, optimizer=optimizer,
+                          compute_dtype=cfg.compute_dtype),
+        in_shardings=(state_sh, target_sh, replicated, batch_sh),
+        out_shardings=(state_sh, replicated), donate_argnums=(0,))
+    eval_fn = jax.jit(
+        functools.partial(eval_step, target_cfg=tcfg, draft_cfg=draft_cfg),
+        in_shardings=(state_sh.params, target_sh, replicated, eval_batch_sh),
+        out_shardings=replicated)
+
+    def evaluate(params) -> dict[str, Any] | None:
+        if eval_records is None or cfg.eval_batches == 0:
+            return None
+        it = make_train_iterator(eval_records, batch_size=local_batch, max_len=cfg.max_len,
+                                 seed=cfg.seed, shuffle=False, pack=cfg.pack, num_epochs=1,
+                                 shard_index=jax.process_index(),
+                                 shard_count=jax.process_count())
+        sums = None
+        for _, host in zip(range(cfg.eval_batches), it):
+            m = jax.device_get(eval_fn(params, target_params, vocab,
+                                       _global_batch(host, eval_batch_sh, (), cfg.batch_size)))
+            w = m["weight_per_step"]
+            part = {"loss": m["loss_per_step"] * w, "acc": m["acc_per_step"] * w, "w": w}
+            sums = part if sums is None else {k: sums[k] + part[k] for k in sums}
+        if sums is None:
+            return None
+        w = np.maximum(sums["w"], 1.0)
+        acc = sums["acc"] / w
+        loss_per_step = sums["loss"] / w
+        decay = 0.8 ** np.arange(len(w))
+        return {"loss": float(np.sum(decay * loss_per_step)),
+                "loss_per_step": loss_per_step.tolist(), "acc_per_step": acc.tolist(),
+                "scored_per_step": sums["w"].tolist(),
+                "accept_length": simulated_accept_length(acc)}
+
+    start = int(jax.device_get(state.step))
+    end = min(cfg.total_steps, max_steps) if max_steps is not None else cfg.total_steps
+    writer = MetricsWriter(out_dir / METRICS_FILE,
+                           resume_step=start if resume_step is not None else None)
+    schedule = _lr_schedule(cfg.optimizer)
+    losses: list[jax.Array] = []
+    last_train: dict[str, Any] | None = None
+    last_eval: dict[str, Any] | None = None
+    tokens_since, t_last, t_start = 0, time.perf_counter(), time.perf_counter()
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=end, initial=start, disable=not cfg.progress or jax.process_index() != 0,
+               desc="train", unit="step", dynamic_ncols=True)
+    for step in range(start, end):
+        try:
+            host = next(data_iter)
+        except StopIteration:
+            raise ConfigError("the training data ran out; make_train_iterator should repeat "
+                              "forever (num_epochs=None)") from None
+        tokens_since += int(np.count_nonzero(host["segment_ids"]))
+        batch = _global_batch(host, batch_sh, (cfg.grad_accum,), cfg.batch_size)
+        state, metrics = step_fn(state, target_params, vocab, batch)
+        losses.append(metrics["loss"])
+        done = step + 1
+
+        if done % cfg.log_every == 0 or done == end:
+            m = jax.device_get(metrics)
+            now = time.perf_counter()
+            tokens_per_s = tokens_since * jax.process_count() / max(now - t_last, 1e-9)
+            tokens_since, t_last = 0, now
+            last_train = {"kind": "train", "step": done, "loss": float(m["loss"]),
+                          "loss_per_step": m["loss_per_step"].tolist(),
+                          "acc_per_step": m["acc_per_step"].tolist(),
+                          "grad_norm": float(m["grad_norm"]), "lr": float(schedule(step)),
+                          "tokens_per_s": tokens_per_s}
+            if not math.isfinite(last_train["loss"]):
+                raise FloatingPointError(f"loss is {last_train['loss']} at step {done}; lower "
+                                         "optimizer.learning_rate or check the data")
+            writer.write(last_train)
+            bar.set_postfix(loss=f"{last_train['loss']:.3f}",
+                            acc="/".join(f"{a:.2f}" for a in last_train["acc_per_step"][:4]))
+        if done % cfg.eval_every == 0 or done == end:
+            last_eval = evaluate(state.params)
+            if last_eval is not None:
+                writer.write({"kind": "eval", "step": done, **last_eval})
+                bar.write(f"eval @ {done}: loss {last_eval['loss']:.3f}, acc "
+                          + " ".join(f"{a:.2f}" for a in last_eval["acc_per_step"])
+                          + f", simulated tau {last_eval['accept_length']:.2f}")
+            if jax.process_index() == 0:
+                plot_accuracy(read_metrics(writer.path), out_dir / PLOT_FILE)
+        if done % cfg.save_every == 0 or done == end:
+            ckpt.save(done, state, data_iter, metadata)
+        bar.update(1)
+    bar.close()
+    if start == end and jax.process_index() == 0:
+        plot_accuracy(read_metrics(writer.path), out_dir / PLOT_FILE)
+    steps = ckpt.all_steps()
+    ckpt.close()
+    return {"start_step": start, "end_step": end,
+            "losses": [float(x) for x in jax.device_get(losses)],
+            "train": last_train, "eval": last_eval, "out_dir": str(out_dir),
+            "checkpoint_steps": steps, "elapsed_s": time.perf_counter() - t_start,
+            "draft_config": draft_cfg}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a trained head back.
+
+
+def load_trained_head(run_dir: str | Path, step: int | None = None) -> tuple[DraftHead, int]:
+    """(DraftHead of a training run's checkpoint, its step); the latest step by default.
+
+    ``run_dir`` is a training ``out_dir`` (or its ``checkpoints/`` folder). Params come back on
+    the first local device.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"run folder {run_dir} does not exist; pass the out_dir of a "
+                              "training run")
+    if (run_dir / CHECKPOINT_DIR).is_dir():
+        ckpt_dir = run_dir / CHECKPOINT_DIR
+    elif run_dir.name == CHECKPOINT_DIR:
+        ckpt_dir, run_dir = run_dir, run_dir.parent
+    else:
+        raise CheckpointError(f"{run_dir} has no {CHECKPOINT_DIR}/ folder; pass the out_dir of a "
+                              "training run")
+    ckpt = TrainCheckpointer(ckpt_dir, max_to_keep=1 << 30)
+    try:
+        step = ckpt.resolve_step(step)
+        meta = ckpt.read_metadata(step)
+        try:
+            draft_cfg = DraftConfig.from_dict(meta["draft_config"])
+            train_cfg = TrainConfig.from_dict(meta["train_config"])
+        except (KeyError, ConfigError) as e:
+            raise CheckpointError(f"{ckpt_dir}/{step}: unreadable run metadata ({e})") from None
+        mesh = make_mesh(MeshConfig(1, 1, 1), jax.local_devices()[:1])
+        shapes, shardings = abstract_train_state(draft_cfg, train_cfg.optimizer.build(), mesh)
+        state, _ = ckpt.restore(abstract_state(shapes, shardings), None, step)
+    finally:
+        ckpt.close()
+    vocab_file = meta.get("draft_vocab_file")
+    if vocab_file is None:
+        vocab = VocabMap.identity(draft_cfg.vocab_size)
+    else:
+        from eagle3_jax.data import load_vocab_map
+
+        vocab = load_vocab_map(run_dir / vocab_file)
+    return DraftHead(params=state.params, vocab=vocab, cfg=draft_cfg), step
