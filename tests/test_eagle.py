@@ -15,7 +15,7 @@ from scipy import stats
 from eagle3_jax.decoding import SamplingParams, generate, probs
 from eagle3_jax.decoding import eagle as eagle_mod
 from eagle3_jax.decoding.eagle import _prefill, _round, generate_eagle
-from eagle3_jax.decoding.tree import (DraftTree, TreeConfig, TreeError, build_tree,
+from eagle3_jax.decoding.tree import (TreeConfig, TreeError,
                                       tree_from_parents)
 from eagle3_jax.decoding.verify import Acceptance
 from eagle3_jax.draft.config import DraftConfig

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.bench.common import (interleaved_medians, machine_description, markdown_table,
-                                     time_call, write_json)
+                                     write_json)
 from eagle3_jax.model.params import param_bytes
 from eagle3_jax.model.target import KVCache, causal_mask, forward
 

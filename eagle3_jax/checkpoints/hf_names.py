@@ -79,7 +79,7 @@ def hf_to_param(name: str, array: np.ndarray, cfg: TargetConfig):
 def param_to_hf(cfg: TargetConfig, params) -> dict[str, np.ndarray]:
     """Inverse of :func:`hf_to_param`: our tree -> HF-named ``[out, in]`` numpy arrays."""
     inverse = {v: s for s, v in _LAYER_NAMES.items()}
-    n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    n, h, d = cfg.num_heads, cfg.head_dim, cfg.hidden_size
     out = {"model.embed_tokens.weight": np.asarray(params["embed"]),
            "model.norm.weight": np.asarray(params["final_norm"])}
     if not cfg.tie_word_embeddings:

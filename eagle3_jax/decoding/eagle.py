@@ -25,7 +25,6 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from eagle3_jax.decoding.batching import bucket

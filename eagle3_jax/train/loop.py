@@ -43,7 +43,7 @@ from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
 from eagle3_jax.train.checkpointing import CheckpointError, TrainCheckpointer, abstract_state
 from eagle3_jax.train.config import TrainConfig
 from eagle3_jax.train.metrics import MetricsWriter, plot_accuracy, read_metrics
-from eagle3_jax.train.step import (OptimizerConfig, TrainState, eval_step,
+from eagle3_jax.train.step import (TrainState, eval_step,
                                    simulated_accept_length, train_step)
 
 log = logging.getLogger(__name__)
@@ -186,14 +186,6 @@ def abstract_train_state(draft_cfg: DraftConfig, optimizer: optax.GradientTransf
     return shapes, state_shardings(shapes, param_sh, mesh)
 
 
-def _lr_schedule(opt: OptimizerConfig):
-    # Mirrors OptimizerConfig.build(), for logging only.
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=opt.learning_rate, warmup_steps=max(opt.warmup_steps, 1),
-        decay_steps=max(opt.total_steps, opt.warmup_steps + 1),
-        end_value=opt.learning_rate * opt.min_lr_ratio)
-
-
 def _global_batch(host: dict[str, np.ndarray], sharding: NamedSharding, lead: tuple[int, ...],
                   global_rows: int) -> dict[str, jax.Array]:
     """Host rows [lead..., B_local, T] -> global arrays [lead..., B, T] sharded on the B axis."""
@@ -333,7 +325,7 @@ def train(
     end = min(cfg.total_steps, max_steps) if max_steps is not None else cfg.total_steps
     writer = MetricsWriter(out_dir / METRICS_FILE,
                            resume_step=start if resume_step is not None else None)
-    schedule = _lr_schedule(cfg.optimizer)
+    schedule = cfg.optimizer.schedule()
     losses: list[jax.Array] = []
     last_train: dict[str, Any] | None = None
     last_eval: dict[str, Any] | None = None

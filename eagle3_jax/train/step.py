@@ -123,16 +123,20 @@ class OptimizerConfig:
     grad_clip: float = 0.5
     min_lr_ratio: float = 0.0
 
-    def build(self) -> optax.GradientTransformation:
-        schedule = optax.warmup_cosine_decay_schedule(
+    def schedule(self) -> optax.Schedule:
+        """Learning rate by step: linear warm-up to the peak, cosine decay to the end."""
+        return optax.warmup_cosine_decay_schedule(
             init_value=0.0, peak_value=self.learning_rate,
             warmup_steps=max(self.warmup_steps, 1),
             decay_steps=max(self.total_steps, self.warmup_steps + 1),
             end_value=self.learning_rate * self.min_lr_ratio,
         )
+
+    def build(self) -> optax.GradientTransformation:
         return optax.chain(
             optax.clip_by_global_norm(self.grad_clip),
-            optax.adamw(schedule, b1=self.b1, b2=self.b2, weight_decay=self.weight_decay),
+            optax.adamw(self.schedule(), b1=self.b1, b2=self.b2,
+                        weight_decay=self.weight_decay),
         )
 
 
@@ -187,7 +191,7 @@ def train_step(state: TrainState, target_params: Params, vocab: VocabMap,
     params = optax.apply_updates(state.params, updates)
     metrics = {name: value / num_micro for name, value in metrics.items()}
     metrics["loss"] = loss / num_micro
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics
 

@@ -1,0 +1,75 @@
+"""Offline training inputs: the TTT batch from stored target features instead of a target run.
+
+``eagle3_jax.data.features`` stores, per token, the three taps and the target's final normed
+hidden state. The labels need only the target's output head: ``labels_from_hidden`` (shared with
+online training in ``train/step.py``) scores the hidden state against the draft-vocabulary head
+rows for the restricted log-softmax, and against all rows (in chunks) for the argmax. So
+:func:`features_ttt_batch` gives the same :class:`~eagle3_jax.draft.ttt.TTTBatch` as
+:func:`~eagle3_jax.train.step.target_ttt_batch`: exactly, up to float32 round-off, from
+float32 features; within the storage rounding from bfloat16/float16 ones.
+
+Reading the stored features as padded batches: :func:`eagle3_jax.data.features.
+make_feature_iterator` (re-exported here).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax.data.features import FeatureShards, make_feature_dataset, make_feature_iterator
+from eagle3_jax.data.sources import DataError
+from eagle3_jax.draft.config import DraftConfig
+from eagle3_jax.draft.params import VocabMap
+from eagle3_jax.draft.ttt import TTTBatch
+from eagle3_jax.model.config import TargetConfig
+from eagle3_jax.model.params import Params
+from eagle3_jax.train.step import _head_columns, labels_from_hidden
+
+__all__ = ["FeatureError", "FeatureShards", "features_ttt_batch",
+           "make_feature_dataset", "make_feature_iterator", "target_head_rows"]
+
+
+class FeatureError(DataError):
+    """Stored features that do not fit the head / draft they are used with."""
+
+
+def target_head_rows(target_params: Params, target_cfg: TargetConfig) -> jax.Array:
+    """The target's output head as [V, D] rows: all offline training needs of the target besides
+    the (frozen) embedding table the draft reads its input tokens from."""
+    return _head_columns(target_params, target_cfg)
+
+
+def features_ttt_batch(head_rows: jax.Array, draft_cfg: DraftConfig, vocab: VocabMap,
+                       batch: dict[str, jax.Array]) -> TTTBatch:
+    """The TTT inputs of a batch of stored features (jit-friendly; shapes are checked at trace).
+
+    Args:
+      head_rows: [V, D] the output head (:func:`target_head_rows`), in the target's dtype.
+      draft_cfg: the draft head's config (its hidden size and number of taps are checked).
+      vocab: draft <-> target vocabulary maps.
+      batch: tokens, loss_mask, segment_ids, positions [B, T]; taps [B, T, 3D]; hidden
+        [B, T, D] (any float dtype; computed in the head's dtype, as the target computes).
+    Raises:
+      FeatureError: the features' width does not match the head or the draft (features made
+        with another target).
+    """
+    taps, hidden = batch["taps"], batch["hidden"]
+    v, d = head_rows.shape
+    if hidden.shape[-1] != d or draft_cfg.hidden_size != d:
+        raise FeatureError(f"stored hidden states are {hidden.shape[-1]} wide, the target head is "
+                           f"[{v}, {d}] and the draft's hidden size {draft_cfg.hidden_size}: the "
+                           "features were made with another target")
+    if taps.shape[-1] != draft_cfg.num_taps * d:
+        raise FeatureError(f"stored taps are {taps.shape[-1]} wide, the draft fuses "
+                           f"{draft_cfg.num_taps} x {d} = {draft_cfg.num_taps * d}")
+    if vocab.t2d.shape[0] != v:
+        raise FeatureError(f"the vocabulary map covers {vocab.t2d.shape[0]} target ids, the head "
+                           f"has {v} rows")
+    compute = head_rows.dtype
+    target_logp, in_draft = labels_from_hidden(hidden.astype(compute), head_rows, vocab)
+    return jax.lax.stop_gradient(TTTBatch(
+        tokens=batch["tokens"], taps=taps.astype(compute), target_logp=target_logp,
+        target_in_draft=in_draft, loss_mask=jnp.asarray(batch["loss_mask"]).astype(bool),
+        segment_ids=batch["segment_ids"], positions=batch["positions"],
+    ))
