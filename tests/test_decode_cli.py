@@ -1,0 +1,135 @@
+"""The ``python -m eagle3_jax.decode`` CLI, through ``main(argv, load_fn=...)``.
+
+Most tests inject a tiny random model with a byte-level tokenizer (ids 0-255 are bytes), so the
+streamed text includes split and invalid UTF-8; one test runs the real default model.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from eagle3_jax.decode import main
+from eagle3_jax.decoding import generate, pad_prompts
+from eagle3_jax.model.config import TargetConfig
+from eagle3_jax.model.params import init_params
+
+EOS, PAD = 256, 257
+CFG = TargetConfig(arch="llama", vocab_size=260, hidden_size=32, intermediate_size=64,
+                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                   max_position_embeddings=128)
+
+
+class ByteTokenizer:
+    """Bytes as token ids, a plain-text chat template, EOS 256 and PAD 257."""
+
+    eos_token_ids = (EOS,)
+    pad_token_id = PAD
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return self.encode(text + ("assistant: " if add_generation_prompt else ""))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    params = init_params(CFG, jax.random.PRNGKey(1), scale=0.3)
+    return types.SimpleNamespace(cfg=CFG, params=params, tokenizer=ByteTokenizer(),
+                                 source="tiny-random")
+
+
+def run(tiny, capsys, *argv):
+    code = main(list(argv), load_fn=lambda target: tiny)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_json_lines_per_turn_with_history(tiny, capsys, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    lines = ['{"prompt": "hello"}', "", '{"turns": ["one", "two"]}', '{"prompt": "a longer one"}']
+    path.write_text("\n".join(lines) + "\n")  # a blank line is skipped
+    code, out, err = run(tiny, capsys, "--prompts-file", str(path), "--json",
+                         "--max-new-tokens", "8", "--batch-size", "2")
+    assert code == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [(r["index"], r["turn"]) for r in records] == [(0, 0), (1, 0), (1, 1), (2, 0)]
+    for r in records:
+        assert set(r) >= {"prompt_token_ids", "token_ids", "text", "new_tokens", "seconds",
+                          "tokens_per_s", "stop"}
+        assert r["new_tokens"] == len(r["token_ids"]) <= 8 and EOS not in r["token_ids"]
+        assert r["text"] == tiny.tokenizer.decode(r["token_ids"])
+        assert r["seconds"] > 0 and r["tokens_per_s"] > 0
+    # Greedy ids equal a direct batch-1 generate on the same prompt ids.
+    for r in records:
+        batch = pad_prompts([r["prompt_token_ids"]], pad_id=PAD, pad_batch=False)
+        out1 = generate(tiny.params, CFG, batch.tokens, batch.lengths, max_new_tokens=8,
+                        eos_token_ids=(EOS,))
+        assert r["token_ids"] == np.asarray(out1.tokens[0, : int(out1.num_generated[0])]).tolist()
+    # Turn 2 sees turn 1 and its answer.
+    history = [{"role": "user", "content": "one"},
+               {"role": "assistant", "content": records[1]["text"]},
+               {"role": "user", "content": "two"}]
+    assert records[2]["prompt_token_ids"] == tiny.tokenizer.apply_chat_template(history)
+
+
+def test_streamed_text_equals_json_text(tiny, capsys):
+    code, out_json, _ = run(tiny, capsys, "--prompt", "stream me", "--json",
+                            "--max-new-tokens", "24")
+    assert code == 0
+    code, out_text, err = run(tiny, capsys, "--prompt", "stream me", "--max-new-tokens", "24")
+    assert code == 0
+    assert out_text == json.loads(out_json)["text"] + "\n"
+    assert "> stream me" in err and "tokens/s" in err
+
+
+def test_sampling_is_seeded(tiny, capsys):
+    args = ("--prompt", "x", "--json", "--max-new-tokens", "16", "--temperature", "1.0",
+            "--top-p", "0.9")
+    ids = []
+    for seed in ("1", "1", "2"):
+        code, out, _ = run(tiny, capsys, *args, "--seed", seed)
+        assert code == 0
+        ids.append(json.loads(out)["token_ids"])
+    assert ids[0] == ids[1] and ids[0] != ids[2]
+
+
+@pytest.mark.parametrize("content,extra,message", [
+    (None, (), "does not exist"),
+    ('{"prompt": "ok"}\n{"prompt": oops}\n', (), "line 2 is not valid JSON"),
+    ('{"prompt": "ok"}\n{"turns": []}\n', (), "line 2 must be"),
+    ('{"prompt": "' + "long " * 40 + '"}\n', (), "tokens but the model context is 128"),
+    ('{"prompt": "ok"}\n', ("--temperature", "-1"), "temperature must be"),
+    ('{"prompt": "ok"}\n', ("--top-p", "1.5"), "top_p must be"),
+    ('{"prompt": "ok"}\n', ("--max-new-tokens", "0"), "--max-new-tokens must be"),
+])
+def test_errors_are_one_clear_line(tiny, capsys, tmp_path, content, extra, message):
+    path = tmp_path / "prompts.jsonl"
+    if content is not None:
+        path.write_text(content)
+    code, out, err = run(tiny, capsys, "--prompts-file", str(path), "--json", *extra)
+    assert code == 2 and out == ""
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_default_model_json(smollm2_gguf_path, capsys):
+    code = main(["--max-new-tokens", "16", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    (line,) = captured.out.splitlines()
+    record = json.loads(line)
+    assert 1 <= record["new_tokens"] == len(record["token_ids"]) <= 16
+    assert record["text"].strip() and record["tokens_per_s"] > 0
+    assert record["prompt_token_ids"][-3:] and record["stop"] in ("eos", "length")

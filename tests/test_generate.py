@@ -1,0 +1,285 @@
+"""Plain generation: greedy equals a no-cache reference, stop rules, sampling, streaming, HF parity.
+
+The tiny-model tests use random parameters (``init_params``) with a small vocabulary; the
+reference recomputes the full forward over the growing sequence without a KV cache, so any bug in
+cache writes, cache ends, positions or masks shows up as a token mismatch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+)
+
+from eagle3_jax.decoding import (
+    SamplingError, SamplingParams, adjust_logits, bucket, generate, generate_stream, pad_prompts,
+    probs, sample,
+)
+from eagle3_jax.model.config import TargetConfig
+from eagle3_jax.model.params import init_params
+from eagle3_jax.model.target import forward
+
+CFG = TargetConfig(arch="llama", vocab_size=61, hidden_size=32, intermediate_size=64,
+                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                   max_position_embeddings=128)
+PROMPTS = [[3, 14, 15, 9, 26, 5], [7, 8], [11] * 19]
+N = 12
+REF_WIDTH = 48  # fixed width of the reference forward: one compilation for every length
+
+
+@pytest.fixture(scope="module")
+def params():
+    # scale 0.3: logits spread widely enough that greedy has no near-ties.
+    return init_params(CFG, jax.random.PRNGKey(0), scale=0.3)
+
+
+@jax.jit
+def _last_logits(params, tokens, length):
+    """No-cache forward over tokens [1, W]; logits [V] at position length - 1."""
+    w = tokens.shape[1]
+    mask = jnp.tril(jnp.ones((w, w), bool))[None]
+    out = forward(params, CFG, tokens, jnp.arange(w)[None], mask)
+    return out.logits[0, length - 1]
+
+
+def reference_greedy(params, prompt, n, eos=()):
+    seq = list(prompt)
+    for _ in range(n):
+        tokens = np.zeros((1, REF_WIDTH), np.int32)
+        tokens[0, : len(seq)] = seq
+        token = int(jnp.argmax(_last_logits(params, tokens, len(seq))))
+        if token in eos:
+            break
+        seq.append(token)
+    return seq[len(prompt):]
+
+
+def row(out, i):
+    return np.asarray(out.tokens[i, : int(out.num_generated[i])]).tolist()
+
+
+@pytest.fixture(scope="module")
+def greedy_batch(params):
+    batch = pad_prompts(PROMPTS)
+    return generate(params, CFG, batch.tokens, batch.lengths, max_new_tokens=N)
+
+
+def test_greedy_batch_matches_no_cache_reference(params, greedy_batch):
+    out = greedy_batch
+    assert out.tokens.shape == (4, N)  # 3 prompts padded to a batch of 4
+    for i, prompt in enumerate(PROMPTS):
+        assert row(out, i) == reference_greedy(params, prompt, N), f"row {i}"
+    # The padding row generates nothing.
+    assert int(out.num_generated[3]) == 0 and (np.asarray(out.tokens[3]) == -1).all()
+    # Each row alone (batch 1) gives the same tokens as in the batch.
+    for i, prompt in enumerate(PROMPTS):
+        single = pad_prompts([prompt], pad_batch=False)
+        alone = generate(params, CFG, single.tokens, single.lengths, max_new_tokens=N)
+        assert row(alone, 0) == row(out, i)
+
+
+def test_eos_stops_its_row_and_others_continue(params, greedy_batch):
+    rows = [row(greedy_batch, i) for i in range(3)]
+    # An EOS that row 0 samples mid-way and row 1 never samples.
+    eos = next(t for t in rows[0][2:] if t not in rows[1])
+    batch = pad_prompts(PROMPTS)
+    out = generate(params, CFG, batch.tokens, batch.lengths, max_new_tokens=N,
+                   eos_token_ids=(eos, 10_000))
+    for i, prompt in enumerate(PROMPTS):
+        expected = rows[i][: rows[i].index(eos)] if eos in rows[i] else rows[i]
+        assert row(out, i) == expected
+        assert bool(out.hit_eos[i]) == (eos in rows[i])
+        assert (np.asarray(out.tokens[i, len(expected):]) == -1).all()  # EOS not in the output
+    assert int(out.num_generated[1]) == N
+    assert int(out.num_generated[0]) < N
+
+
+def test_max_new_tokens_and_full_cache(params, greedy_batch):
+    batch = pad_prompts(PROMPTS)
+    out = generate(params, CFG, batch.tokens, batch.lengths, max_new_tokens=3)
+    assert out.tokens.shape == (4, 3)
+    for i in range(3):
+        assert row(out, i) == row(greedy_batch, i)[:3]
+    # A 24-slot cache holds prompt + generated tokens; the last token need not be fed back,
+    # so a row of length L yields 24 - L + 1 tokens before it stops.
+    out = generate(params, CFG, batch.tokens, batch.lengths, max_new_tokens=N, max_len=24)
+    for i, prompt in enumerate(PROMPTS):
+        expected = row(greedy_batch, i)[: 24 - len(prompt) + 1]
+        assert row(out, i) == expected and not bool(out.hit_eos[i])
+
+
+def test_prompt_longer_than_context_is_a_clear_error(params):
+    long = np.zeros((1, 130), np.int32)
+    with pytest.raises(ValueError, match="130 tokens is longer than the model context of 128"):
+        generate(params, CFG, long, np.array([130]), max_new_tokens=4)
+    with pytest.raises(ValueError, match="model context is 128"):
+        pad_prompts([[1] * 130], max_length=128)
+    # Prompt + new tokens beyond the context: the cache is capped at the context.
+    out = generate(params, CFG, np.ones((1, 120), np.int32), np.array([120]), max_new_tokens=50)
+    assert int(out.num_generated[0]) == 128 - 120 + 1
+    with pytest.raises(ValueError, match="raise max_len"):
+        generate(params, CFG, np.zeros((1, 32), np.int32), np.array([20]), max_new_tokens=4,
+                 max_len=16)
+
+
+def test_sampling_reproducible_and_top_k_1_is_greedy(params, greedy_batch):
+    batch = pad_prompts(PROMPTS)
+    hot = SamplingParams(temperature=1.5, top_p=0.95)
+    kwargs = dict(max_new_tokens=N, sampling=hot)
+    a = generate(params, CFG, batch.tokens, batch.lengths, key=jax.random.PRNGKey(7), **kwargs)
+    b = generate(params, CFG, batch.tokens, batch.lengths, key=jax.random.PRNGKey(7), **kwargs)
+    c = generate(params, CFG, batch.tokens, batch.lengths, key=jax.random.PRNGKey(8), **kwargs)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert not np.array_equal(a.tokens, c.tokens)
+    top1 = SamplingParams(temperature=1.0, top_k=1)
+    d = generate(params, CFG, batch.tokens, batch.lengths, max_new_tokens=N, sampling=top1,
+                 key=jax.random.PRNGKey(3))
+    np.testing.assert_array_equal(d.tokens, greedy_batch.tokens)
+
+
+def test_stream_yields_the_same_tokens_as_generate(params):
+    batch = pad_prompts(PROMPTS)
+    kwargs = dict(max_new_tokens=N, sampling=SamplingParams(temperature=1.0, top_k=20),
+                  key=jax.random.PRNGKey(5), eos_token_ids=(4,))
+    out = generate(params, CFG, batch.tokens, batch.lengths, **kwargs)
+    steps = list(generate_stream(params, CFG, batch.tokens, batch.lengths, **kwargs))
+    assert len(steps) == int(out.steps) + 1  # prefill + each decode step
+    for i in range(4):
+        streamed = [int(s[i]) for s in steps if s[i] >= 0]
+        assert streamed == row(out, i)
+
+
+def test_first_token_frequencies_match_adjusted_softmax(params):
+    # 2048 copies of one prompt in one batch: each row draws its first token independently.
+    sampling = SamplingParams(temperature=0.7, top_k=12, top_p=0.9)
+    rows = 2048
+    tokens = np.tile(np.array([PROMPTS[0] + [0] * 10], np.int32), (rows, 1))
+    lengths = np.full((rows,), len(PROMPTS[0]), np.int32)
+    out = generate(params, CFG, tokens, lengths, max_new_tokens=1, sampling=sampling,
+                   key=jax.random.PRNGKey(11), max_len=16)
+    first = np.asarray(out.tokens[:, 0])
+    ref_tokens = np.zeros((1, REF_WIDTH), np.int32)
+    ref_tokens[0, : len(PROMPTS[0])] = PROMPTS[0]
+    logits = _last_logits(params, ref_tokens, len(PROMPTS[0]))
+    expected = np.asarray(probs(logits[None], sampling))[0]
+    kept = expected > 0
+    assert 2 <= kept.sum() <= 12
+    counts = np.bincount(first, minlength=CFG.vocab_size)
+    assert counts[~kept].sum() == 0, "sampled a token that top-k/top-p removed"
+    expected = expected.astype(np.float64)
+    expected /= expected[kept].sum()  # float32 rounding: totals must match for chisquare
+    stat, pvalue = scipy.stats.chisquare(counts[kept], expected[kept] * rows)
+    assert pvalue > 1e-3, (counts[kept], expected[kept] * rows)
+
+
+# ---------------------------------------------------------------- sampling rules against HF
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.8), (0.6, 7, 0.9), (1.3, 40, 0.5),
+    (1.0, 0, 0.05),
+])
+def test_adjust_logits_matches_hf_warpers(temperature, top_k, top_p):
+    logits = np.random.default_rng(0).normal(size=(6, 50)).astype(np.float32) * 2.0
+    scores = torch.from_numpy(logits.copy())
+    scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    expected = scores.numpy()
+    got = np.asarray(adjust_logits(jnp.asarray(logits), SamplingParams(temperature, top_p, top_k)))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected))
+    finite = np.isfinite(expected)
+    np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-6, atol=1e-6)
+
+
+def test_greedy_probs_are_one_hot_and_sample_is_argmax():
+    logits = jax.random.normal(jax.random.PRNGKey(0), (3, 17))
+    p = probs(logits, SamplingParams())
+    np.testing.assert_array_equal(np.asarray(p), np.eye(17)[np.asarray(jnp.argmax(logits, -1))])
+    np.testing.assert_array_equal(sample(jax.random.PRNGKey(1), logits, SamplingParams()),
+                                  jnp.argmax(logits, -1))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
+    (dict(top_k=2.5), "top_k"),
+])
+def test_sampling_params_validation(kwargs, match):
+    with pytest.raises(SamplingError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_pad_prompts_buckets():
+    assert [bucket(n) for n in (1, 16, 17, 33, 100)] == [16, 16, 32, 64, 128]
+    assert bucket(90, 16, maximum=96) == bucket(200, 16, maximum=96) == 96
+    batch = pad_prompts([[1, 2, 3], [4] * 20, [5]], pad_id=9)
+    assert batch.tokens.shape == (4, 32) and batch.tokens.dtype == np.int32
+    assert batch.lengths.tolist() == [3, 20, 1, 0] and batch.num_prompts == 3
+    assert batch.tokens[0].tolist() == [1, 2, 3] + [9] * 29
+    with pytest.raises(ValueError, match="empty"):
+        pad_prompts([[1], []])
+
+
+# ---------------------------------------------------------------- the real SmolLM2
+
+
+def _fixture_or_skip(request, name):
+    try:
+        return request.getfixturevalue(name)
+    except pytest.FixtureLookupError:
+        pytest.skip(f"fixture {name!r} is not available")
+
+
+# Prompts of different lengths (42, 37, 40 tokens) whose greedy answers run past 48 tokens.
+CHATS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a car engine works.",
+    "Explain in two sentences why the sky is blue.",
+]
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers_on_smollm2(request):
+    hf = _fixture_or_skip(request, "hf_smollm2")
+    from eagle3_jax.checkpoints import load_target
+
+    target = load_target(None, dtype="float32")
+    tok = target.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+    batch = pad_prompts(prompts, pad_id=tok.pad_token_id or 0,
+                        max_length=target.cfg.max_position_embeddings)
+    n = 48
+    out = generate(target.params, target.cfg, batch.tokens, batch.lengths, max_new_tokens=n,
+                   eos_token_ids=tok.eos_token_ids)
+    # One torch thread: on a loaded 2-core machine two threads spin against each other and
+    # generation gets ~10x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = [_hf_greedy(hf, prompt, n, tok.eos_token_ids) for prompt in prompts]
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(len(prompts)):
+        assert len(expected[i]) == n
+        assert row(out, i) == expected[i], f"prompt {i}: {tok.decode(row(out, i))!r}"
+
+
+def _hf_greedy(hf, prompt, n, eos_token_ids):
+    """transformers' greedy continuation of one prompt, EOS stripped."""
+    with torch.no_grad():
+        ids = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                          dtype=torch.long), do_sample=False, max_new_tokens=n,
+                          eos_token_id=list(eos_token_ids), pad_token_id=0)
+    expected = ids[0, len(prompt):].tolist()
+    while expected and expected[-1] in eos_token_ids:
+        expected.pop()
+    return expected
