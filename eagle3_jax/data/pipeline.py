@@ -3,13 +3,17 @@
 Order of operations (grain 0.2.18 dataset API):
 
     MapDataset.source(records)           records[i] = {input_ids [T], loss_mask [T]}
-      [shard_index::shard_count]         one disjoint slice per host process
       .shuffle(seed)                     a fresh permutation each epoch (repeat reseeds it)
       .repeat(num_epochs)                None = forever
       .map(truncate to max_len)
       .to_iter_dataset()
       pad each row  |  FirstFitPackIterDataset (batch_size bins of max_len tokens)
       .batch(batch_size)                 the last partial batch is filled with padding rows
+      rows [shard_index::shard_count]    this host's rows of the global batch
+
+Every host builds the same *global* batches and keeps its own rows, so the data a model sees
+does not depend on the topology: 2 processes x 4 devices train on exactly the batches of 1
+process x 8 devices (the price is that every host pads/packs every row, cheap next to a step).
 
 Every batch is a dict of numpy arrays, all [batch_size, max_len]:
     tokens int32, loss_mask bool, segment_ids int32 (1, 2, 3.. per document in a row, 0 on
@@ -107,13 +111,13 @@ def make_dataset(
         shard_index, shard_count = jax.process_index(), jax.process_count()
     if not 0 <= shard_index < shard_count:
         raise DataError(f"shard_index {shard_index} must be in [0, {shard_count})")
+    if batch_size % shard_count:
+        raise DataError(f"global batch_size {batch_size} must be a multiple of the number of "
+                        f"host shards {shard_count}")
     source = _as_source(records)
     ds = grain.MapDataset.source(source)
-    if shard_count > 1:
-        ds = ds[shard_index::shard_count]
     if len(ds) == 0:
-        raise DataError(f"no records for shard {shard_index} of {shard_count} "
-                        f"({len(source)} records in all)")
+        raise DataError("no records to train on")
     if shuffle:
         ds = ds.shuffle(seed=seed)
     if num_epochs != 1:
@@ -127,8 +131,16 @@ def make_dataset(
         it = it.map(_from_packed)
     else:
         it = it.map(functools.partial(_pad_row, max_len=max_len))
-    return it.batch(batch_size, drop_remainder=False,
-                    batch_fn=functools.partial(_stack, batch_size=batch_size, max_len=max_len))
+    it = it.batch(batch_size, drop_remainder=False,
+                  batch_fn=functools.partial(_stack, batch_size=batch_size, max_len=max_len))
+    if shard_count > 1:
+        it = it.map(functools.partial(_host_rows, index=shard_index, count=shard_count))
+    return it
+
+
+def _host_rows(batch: dict[str, np.ndarray], *, index: int, count: int) -> dict[str, np.ndarray]:
+    """Rows index, index + count, ... of a global batch: micro-batches stay whole per host."""
+    return {name: value[index::count] for name, value in batch.items()}
 
 
 def make_train_iterator(
@@ -148,7 +160,8 @@ def make_train_iterator(
     Args:
       records: a sequence of {input_ids, loss_mask} (e.g. TokenizedRecords) or a path to a
         ``.npz`` (TokenizedRecords.save) or ``.jsonl`` of them.
-      batch_size, max_len: every batch is [batch_size, max_len]; longer documents are truncated.
+      batch_size, max_len: every global batch is [batch_size, max_len] (this host receives
+        batch_size / shard_count of its rows); longer documents are truncated.
       seed: shuffle (and packing-bin shuffle) seed.
       pack: first-fit pack several documents per row instead of one padded document per row.
       num_epochs: None repeats forever.

@@ -25,11 +25,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="stop (with a checkpoint) once this global step is reached")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config and exit")
+    parser.add_argument("--distributed", choices=("off", "auto", "explicit"), default="off",
+                        help="multi-host: 'auto' on Cloud TPU VMs (JAX finds the coordinator), "
+                             "'explicit' with --coordinator/--num-processes/--process-id")
+    parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
+    parser.add_argument("--num-processes", type=int, default=None)
+    parser.add_argument("--process-id", type=int, default=None)
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_train_config(args.config, args.overrides)
+        if not args.print_config:
+            from eagle3_jax.train.distributed import initialize
+
+            initialize(args.distributed, args.coordinator, args.num_processes, args.process_id)
         if args.print_config:
             print(json.dumps(cfg.to_dict(), indent=2))
             return 0

@@ -75,7 +75,12 @@ def load_frozen_target(cfg: TrainConfig, mesh: Mesh,
     if override is not None:
         tcfg = override.cfg
         shardings = param_shardings(param_specs(tcfg), mesh, mode)
-        return tcfg, jax.device_put(override.params, shardings), "in-memory override"
+        # Every process holds the same host copy and places only its own shards (multi-host).
+        host = jax.tree.map(np.asarray, override.params)
+        params = jax.tree.map(
+            lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]),
+            host, shardings)
+        return tcfg, params, "in-memory override"
     if cfg.target.startswith("random:"):
         from eagle3_jax.presets import load_preset
 
@@ -240,7 +245,6 @@ def train(
         raise ConfigError(f"train config: batch_size {cfg.batch_size} must be a multiple of the "
                           f"data x fsdp mesh size {batch_shards} and of the process count "
                           f"{jax.process_count()}")
-    local_batch = cfg.batch_size // jax.process_count()
 
     # Data first: a missing file should fail before minutes of weight loading.
     train_records = _load_records(train_records, cfg.train_data)
@@ -262,7 +266,7 @@ def train(
     eval_batch_sh = NamedSharding(mesh, P(BATCH_AXES, None))  # [B, T]
 
     data_iter = make_train_iterator(
-        train_records, batch_size=local_batch * cfg.grad_accum, max_len=cfg.max_len,
+        train_records, batch_size=cfg.batch_size * cfg.grad_accum, max_len=cfg.max_len,
         seed=cfg.seed, shuffle=cfg.shuffle, pack=cfg.pack,
         shard_index=jax.process_index(), shard_count=jax.process_count())
     ckpt = TrainCheckpointer(out_dir / CHECKPOINT_DIR, max_to_keep=cfg.keep_checkpoints)
@@ -299,7 +303,7 @@ def train(
     def evaluate(params) -> dict[str, Any] | None:
         if eval_records is None or cfg.eval_batches == 0:
             return None
-        it = make_train_iterator(eval_records, batch_size=local_batch, max_len=cfg.max_len,
+        it = make_train_iterator(eval_records, batch_size=cfg.batch_size, max_len=cfg.max_len,
                                  seed=cfg.seed, shuffle=False, pack=cfg.pack, num_epochs=1,
                                  shard_index=jax.process_index(),
                                  shard_count=jax.process_count())

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Train an EAGLE-3 head on a Cloud TPU VM slice (single- or multi-host).
+#
+#   launch/train_tpu.sh --name eagle3-v5p --zone us-east5-a --accelerator v5p-32 \
+#       [--project P] [--version tpu-ubuntu2204-base] [--spot] [--dry-run] \
+#       -- --config configs/train-llama-3.1-8b-instruct.yaml target=/mnt/llama31 out_dir=/mnt/runs/llama31
+#
+# 1. creates the TPU VM slice, or reuses it when it already exists;
+# 2. copies this checkout (git archive of HEAD) to every worker and installs it into a venv
+#    with jax[tpu] (`pip install -e '.[tpu]'`);
+# 3. runs `python -m eagle3_jax.train --distributed auto ...` on all workers at once: JAX finds
+#    the coordinator itself, each host reads its own rows of every global batch, and process 0
+#    writes metrics and plots. Orbax checkpoints are written by all hosts together, so on a
+#    multi-host slice out_dir must be a filesystem every worker sees (a gcsfuse-mounted bucket or
+#    Filestore). Re-running the script updates the code in place (nothing is deleted) and resumes
+#    the run from its latest checkpoint.
+# --dry-run prints every command instead of running it.
+set -euo pipefail
+
+name="" zone="" accelerator="" project="" version="tpu-ubuntu2204-base" spot="" dry_run=0
+train_args=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --name) name="$2"; shift 2 ;;
+    --zone) zone="$2"; shift 2 ;;
+    --accelerator) accelerator="$2"; shift 2 ;;
+    --project) project="$2"; shift 2 ;;
+    --version) version="$2"; shift 2 ;;
+    --spot) spot="--spot"; shift ;;
+    --dry-run) dry_run=1; shift ;;
+    --) shift; train_args=("$@"); break ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+    *) echo "error: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+for var in name zone accelerator; do
+  if [[ -z "${!var}" ]]; then echo "error: --$var is required (see --help)" >&2; exit 2; fi
+done
+if [[ ${#train_args[@]} -eq 0 ]]; then
+  echo "error: give the training arguments after --, e.g. -- --config configs/train-llama-3.1-8b-instruct.yaml" >&2
+  exit 2
+fi
+
+gcloud_tpu=(gcloud compute tpus tpu-vm)
+where=(--zone "$zone")
+[[ -n "$project" ]] && where+=(--project "$project")
+repo_root="$(cd "$(dirname "$0")/.." && pwd)"
+tarball="/tmp/eagle3_jax-$(cd "$repo_root" && git rev-parse --short HEAD).tar.gz"
+remote_dir='~/eagle3_jax'
+
+run() {  # print, then run unless --dry-run
+  printf '+'; printf ' %q' "$@"; printf '\n'
+  if [[ $dry_run -eq 0 ]]; then "$@"; fi
+}
+
+# 1. The slice.
+if [[ $dry_run -eq 0 ]] && "${gcloud_tpu[@]}" describe "$name" "${where[@]}" >/dev/null 2>&1; then
+  echo "reusing TPU VM $name"
+else
+  [[ $dry_run -eq 1 ]] && echo "# (creates $name unless '${gcloud_tpu[*]} describe' finds it)"
+  run "${gcloud_tpu[@]}" create "$name" "${where[@]}" --accelerator-type "$accelerator" \
+      --version "$version" ${spot:+"$spot"}
+fi
+
+# 2. The code, on every worker.
+run git -C "$repo_root" archive --format=tar.gz --prefix=eagle3_jax/ -o "$tarball" HEAD
+run "${gcloud_tpu[@]}" scp "$tarball" "$name:/tmp/eagle3_jax.tar.gz" "${where[@]}" --worker=all
+run "${gcloud_tpu[@]}" ssh "$name" "${where[@]}" --worker=all --command \
+    "tar -xzf /tmp/eagle3_jax.tar.gz -C ~ && cd $remote_dir && (test -x .venv/bin/python || python3 -m venv .venv) && .venv/bin/pip install -q -e '.[tpu]'"
+
+# 3. Training on all workers.
+printf -v quoted ' %q' "${train_args[@]}"
+run "${gcloud_tpu[@]}" ssh "$name" "${where[@]}" --worker=all --command \
+    "cd $remote_dir && .venv/bin/python -m eagle3_jax.train --distributed auto$quoted"
