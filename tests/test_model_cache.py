@@ -94,10 +94,10 @@ def test_chunked_prefill_equals_full_forward():
 
     # The cache holds the same keys/values as a single full prefill.
     _, one_shot = _prefill(tokens, np.array([total, total]))
-    np.testing.assert_allclose(np.asarray(cache.k[:, :, :total]),
-                               np.asarray(one_shot.k[:, :, :total]), atol=ATOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(cache.v[:, :, :total]),
-                               np.asarray(one_shot.v[:, :, :total]), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(cache.k[:, :, :, :total]),
+                               np.asarray(one_shot.k[:, :, :, :total]), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(cache.v[:, :, :, :total]),
+                               np.asarray(one_shot.v[:, :, :, :total]), atol=ATOL, rtol=0)
 
 
 # Token tree, node i has parent TREE_PARENTS[i]:   0 ── 1 ── 3 ── 5
@@ -172,6 +172,6 @@ def test_writes_past_the_cache_end_are_dropped(overflow):
     positions = cache.end[:, None] + jnp.arange(4)
     out = jit_forward(PARAMS, CFG, jnp.asarray(tokens), positions, causal_mask(cache.end, 4, 8),
                       cache)
-    k = np.asarray(out.cache.k)  # [L, B, S, K, H]
+    k = np.asarray(out.cache.k).swapaxes(2, 3)  # [L, B, K, S, H] -> [L, B, S, K, H]
     assert not np.any(k[:, :, :4 + overflow]), "a write wrapped onto slots before end"
     assert np.all(np.any(k[:, :, 4 + overflow:] != 0, axis=(-1, -2))), "in-range slots not written"

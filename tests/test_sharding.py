@@ -221,7 +221,7 @@ def test_sharded_kv_cache_prefill_and_decode_match_single_device(name, shape):
     cache = KVCache(k=_put(cache.k, KV_CACHE_AXES, mesh, "serving"),
                     v=_put(cache.v, KV_CACHE_AXES, mesh, "serving"),
                     end=_put(cache.end, ("batch",), mesh, "serving"))
-    kv_spec = P(None, "data", None, "tensor" if cfg.num_kv_heads % 4 == 0 else None, None)
+    kv_spec = P(None, "data", "tensor" if cfg.num_kv_heads % 4 == 0 else None, None, None)
     assert cache.k.sharding.is_equivalent_to(NamedSharding(mesh, kv_spec), 5)
     pre, step = prefill_and_step(params, cache, _put(tokens, ("batch", "seq"), mesh, "serving"),
                                  _put(positions, ("batch", "seq"), mesh, "serving"))

@@ -51,8 +51,8 @@ def _unrolled_reference(params, cfg, embed, batch):
         q, k, v = project_qkv(params, cfg, embed[tok], g, batch.positions + i)
         keys.append(k)
         values.append(v)
-        all_k = jnp.concatenate(keys, axis=1)  # [B, (i+1)T, K, H]
-        all_v = jnp.concatenate(values, axis=1)
+        all_k = jnp.concatenate(keys, axis=1).transpose(0, 2, 1, 3)  # [B, K, (i+1)T, H]
+        all_v = jnp.concatenate(values, axis=1).transpose(0, 2, 1, 3)
         causal = (idx[:, None] >= idx[None, :])[None] & (seg[:, :, None] == seg[:, None, :])
         causal &= seg[:, :, None] > 0
         diag = np.broadcast_to(np.eye(T, dtype=bool), (B, T, T))
@@ -108,7 +108,7 @@ def test_training_logits_equal_inference_step_by_step():
     # Step 0 over the whole context: slot s holds (feature f_s, token x_{s+1}) at position s.
     ctx_tok = np.zeros((1, T), np.int32)
     ctx_tok[0, :-1] = tokens[row, 1:]
-    cache_k = jnp.zeros((1, slots, cfg.num_kv_heads, cfg.head_dim))
+    cache_k = jnp.zeros((1, cfg.num_kv_heads, slots, cfg.head_dim))
     cache_v = jnp.zeros_like(cache_k)
     mask0 = np.zeros((1, T, slots), bool)
     mask0[0, :, :T] = np.tril(np.ones((T, T), bool))

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from eagle3_jax.decoding.batching import bucket
@@ -41,7 +42,7 @@ from eagle3_jax.model.target import KVCache, causal_mask, forward
 @struct.dataclass
 class EagleState:
     cache: KVCache  # target cache; end[b] = n
-    draft_k: jax.Array  # [B, Sd, K, H]
+    draft_k: jax.Array  # [B, K, Sd, H]
     draft_v: jax.Array
     root: jax.Array  # [B] last emitted token (not yet in either cache)
     root_logp: jax.Array  # [B, Vd] draft log-probs for the root's children
@@ -97,7 +98,7 @@ def _draft_extend(head: DraftHead, embed, taps, next_tokens, count, draft_k, dra
     """
     b, w = next_tokens.shape
     positions = end[:, None] + jnp.arange(w)[None, :]
-    mask = causal_mask(end, w, draft_k.shape[1])
+    mask = causal_mask(end, w, draft_k.shape[2])
     g = fuse_taps(head.params, taps)
     h, logits, draft_k, draft_v = draft_step_cached(
         head.params, head.cfg, jnp.take(embed, jnp.maximum(next_tokens, 0), axis=0), g,
@@ -124,7 +125,7 @@ def _prefill(target_params, head: DraftHead, prompt_tokens, prompt_lengths, key,
     shifted = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
     shifted = jnp.where(jnp.arange(p)[None] == last, first[:, None], shifted)
     draft_len = max_len + tree_cfg.draft_slots
-    zeros = jnp.zeros((b, draft_len, dcfg.num_kv_heads, dcfg.head_dim), jnp.dtype(dcfg.dtype))
+    zeros = jnp.zeros((b, dcfg.num_kv_heads, draft_len, dcfg.head_dim), jnp.dtype(dcfg.dtype))
     root_h, root_logp, draft_k, draft_v = _draft_extend(
         head, target_params["embed"], out.taps, shifted, prompt_lengths, zeros, zeros,
         jnp.zeros((b,), jnp.int32))
@@ -136,8 +137,11 @@ def _prefill(target_params, head: DraftHead, prompt_tokens, prompt_lengths, key,
         hit_eos=jnp.zeros((b,), bool), rounds=jnp.zeros((b,), jnp.int32),
         accept_hist=jnp.zeros((b, width + 1), jnp.int32), step=jnp.zeros((), jnp.int32), key=key)
     active = prompt_lengths > 0
-    return _emit(state, first[:, None], jnp.ones((b,), jnp.int32), active, max_new_tokens,
-                 eos_token_ids)
+    state = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), active, max_new_tokens,
+                  eos_token_ids)
+    # A prompt that leaves no room for one tree stops after the prefill token (as _round does).
+    full = state.cache.end + tree_cfg.total_tokens + width > max_len
+    return dataclasses.replace(state, done=state.done | full)
 
 
 def draft_proposer(target_params, head: DraftHead, state: EagleState, cfg: TargetConfig,
@@ -258,3 +262,71 @@ def generate_eagle(
                          sampling=sampling, eos_token_ids=tuple(int(e) for e in eos_token_ids),
                          max_new_tokens=int(max_new_tokens), max_len=int(max_len),
                          proposer=proposer)
+
+
+_STEP_STATIC = ("cfg", "tree_cfg", "sampling", "eos_token_ids", "max_new_tokens")
+_prefill_jit = jax.jit(_prefill, static_argnames=_STEP_STATIC + ("max_len",))
+_round_jit = jax.jit(_round, static_argnames=_STEP_STATIC + ("proposer",),
+                     donate_argnames=("state",))
+
+
+def _eagle_args(cfg, head, prompt_tokens, prompt_lengths, max_new_tokens, tree, eos_token_ids,
+                max_len):
+    head.cfg.check_fits(cfg)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    tokens = jnp.asarray(prompt_tokens, jnp.int32)
+    if max_len is None:
+        max_len = eagle_cache_size(cfg, tokens.shape[1], max_new_tokens, tree)
+    return (tokens, jnp.asarray(prompt_lengths, jnp.int32), int(max_len),
+            tuple(int(e) for e in eos_token_ids))
+
+
+def compile_generate_eagle(target_params, cfg: TargetConfig, head: DraftHead, prompt_tokens,
+                           prompt_lengths, *, max_new_tokens: int, tree: TreeConfig = TreeConfig(),
+                           sampling: SamplingParams = SamplingParams(),
+                           eos_token_ids: Sequence[int] = (), max_len: int | None = None
+                           ) -> Callable[..., EagleOutput]:
+    """Compile :func:`generate_eagle` ahead of time for these shapes (compilation timed apart).
+
+    Returns ``run(target_params, head, prompt_tokens, prompt_lengths, key) -> EagleOutput``.
+    """
+    tokens, lengths, max_len, eos = _eagle_args(cfg, head, prompt_tokens, prompt_lengths,
+                                                max_new_tokens, tree, eos_token_ids, max_len)
+    compiled = _generate_jit.lower(
+        target_params, head, tokens, lengths, jax.random.PRNGKey(0), cfg=cfg, tree_cfg=tree,
+        sampling=sampling, eos_token_ids=eos, max_new_tokens=int(max_new_tokens),
+        max_len=max_len).compile()
+
+    def run(target_params, head, prompt_tokens, prompt_lengths, key) -> EagleOutput:
+        return compiled(target_params, head, jnp.asarray(prompt_tokens, jnp.int32),
+                        jnp.asarray(prompt_lengths, jnp.int32), key)
+
+    return run
+
+
+def generate_eagle_stream(target_params, cfg: TargetConfig, head: DraftHead, prompt_tokens,
+                          prompt_lengths, *, max_new_tokens: int, tree: TreeConfig = TreeConfig(),
+                          sampling: SamplingParams = SamplingParams(),
+                          key: jax.Array | None = None, eos_token_ids: Sequence[int] = (),
+                          max_len: int | None = None) -> Iterator[list[np.ndarray]]:
+    """Like :func:`generate_eagle`, but yields after the prefill and after every round.
+
+    Each item holds, per row, the int32 tokens emitted in that step (empty when none). The same
+    ``_prefill`` and ``_round`` run (jitted apart), with the same keys, so the tokens equal
+    :func:`generate_eagle`'s for the same ``key``.
+    """
+    tokens, lengths, max_len, eos = _eagle_args(cfg, head, prompt_tokens, prompt_lengths,
+                                                max_new_tokens, tree, eos_token_ids, max_len)
+    key = jax.random.PRNGKey(0) if key is None else key
+    static = dict(cfg=cfg, tree_cfg=tree, sampling=sampling, eos_token_ids=eos,
+                  max_new_tokens=int(max_new_tokens))
+    state = _prefill_jit(target_params, head, tokens, lengths, key, max_len=max_len, **static)
+    produced = np.zeros(tokens.shape[0], np.int64)
+    while True:
+        out, count, done = jax.device_get((state.tokens, state.num_generated, state.done))
+        yield [out[i, produced[i]:count[i]] for i in range(out.shape[0])]
+        produced = count.astype(np.int64)
+        if done.all():
+            return
+        state = _round_jit(target_params, head, state, **static)

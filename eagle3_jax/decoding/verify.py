@@ -108,7 +108,8 @@ def commit_path(cache: KVCache, path: jax.Array, active: jax.Array) -> KVCache:
     valid = path >= 0
     src = cache.end[:, None] + jnp.maximum(path, 0)
     dst = jnp.where(valid, cache.end[:, None] + jnp.arange(width)[None, :], cache.max_len)
-    k = cache.k.at[:, rows, dst].set(cache.k[:, rows, src], mode="drop")
-    v = cache.v.at[:, rows, dst].set(cache.v[:, rows, src], mode="drop")
+    # Cache [L, B, K, S, H]: [:, rows, :, slots] gathers/scatters [B, P, L, K, H] blocks.
+    k = cache.k.at[:, rows, :, dst].set(cache.k[:, rows, :, src], mode="drop")
+    v = cache.v.at[:, rows, :, dst].set(cache.v[:, rows, :, src], mode="drop")
     new_end = cache.end + jnp.where(active, jnp.sum(valid, axis=1), 0).astype(jnp.int32)
     return dataclasses.replace(cache, k=k, v=v, end=new_end)

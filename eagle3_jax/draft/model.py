@@ -61,13 +61,13 @@ def draft_step_cached(params: Params, cfg: DraftConfig, embeds: jax.Array, g: ja
     Args:
       embeds, g: [B, T, D]; positions: [B, T].
       mask: [B, T, S] bool over cache slots (after this step's keys are written).
-      cache_k, cache_v: [B, S, K, H]; write_slots: [B, T] slots for this step's keys.
+      cache_k, cache_v: [B, K, S, H]; write_slots: [B, T] slots for this step's keys.
     Returns:
       (h [B, T, D], logits [B, T, Vd], cache_k, cache_v).
     """
     q, k, v = project_qkv(params, cfg, embeds, g, positions)
     rows = jnp.arange(k.shape[0])[:, None]
-    cache_k = cache_k.at[rows, write_slots].set(k, mode="drop")
-    cache_v = cache_v.at[rows, write_slots].set(v, mode="drop")
+    cache_k = cache_k.at[rows, :, write_slots].set(k, mode="drop")  # k: [B, T, K, H]
+    cache_v = cache_v.at[rows, :, write_slots].set(v, mode="drop")
     h = finish_layer(params, cfg, g, attention(q, cache_k, cache_v, mask))
     return h, draft_logits(params, cfg, h), cache_k, cache_v

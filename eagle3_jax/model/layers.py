@@ -56,19 +56,20 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
 
     Args:
       q: [B, T, N, H] queries (already rotated).
-      k, v: [B, S, K, H] keys/values of every slot a query may see.
+      k, v: [B, K, S, H] keys/values of every slot a query may see, head-major: the layout of
+        the KV caches, so the score and value matmuls read them without a transpose.
       mask: [B, T, S] bool, True where query t may attend slot s.
     Returns:
       [B, T, N, H].
     """
     b, t, n, h = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[1]
     q = q.reshape(b, t, kv_heads, n // kv_heads, h)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(h)
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    out = jnp.einsum("BKGTS,BKSH->BTKGH", probs, v)
     return out.reshape(b, t, n, h)
 
 

@@ -6,7 +6,7 @@ tokens see only their ancestors. Layers are scanned (``lax.scan`` over the stack
 
 KV cache (fixed size, functional)::
 
-    KVCache.k, .v  [L, B, S, K, H]   S = max_len slots per row
+    KVCache.k, .v  [L, B, K, S, H]   S = max_len slots per row, head-major (see attention)
     KVCache.end    [B] int32         slots [0, end) hold committed tokens
 
 ``forward`` writes the T new keys/values of row b at slots ``[end[b], end[b] + T)`` and does not
@@ -30,17 +30,17 @@ from eagle3_jax.model.params import Params
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, K, H]
-    v: jax.Array  # [L, B, S, K, H]
+    k: jax.Array  # [L, B, K, S, H]
+    v: jax.Array  # [L, B, K, S, H]
     end: jax.Array  # [B] int32
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @classmethod
     def zeros(cls, cfg: TargetConfig, batch: int, max_len: int) -> "KVCache":
-        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         dtype = jnp.dtype(cfg.dtype)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
@@ -115,12 +115,13 @@ def forward(
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         if cache_k is None:
-            keys, values = k, v
+            keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
         else:
-            # Out-of-range slots are dropped; decoders stop before the cache is full.
-            cache_k = cache_k.at[index, rows, slots].set(k, mode="drop")
-            cache_v = cache_v.at[index, rows, slots].set(v, mode="drop")
-            keys, values = cache_k[index], cache_v[index]
+            # [index, rows, :, slots] takes k as [B, T, K, H]. Out-of-range slots are dropped;
+            # decoders stop before the cache is full.
+            cache_k = cache_k.at[index, rows, :, slots].set(k, mode="drop")
+            cache_v = cache_v.at[index, rows, :, slots].set(v, mode="drop")
+            keys, values = cache_k[index], cache_v[index]  # [B, K, S, H]
         attn = attention(q, keys, values, mask)
         h = h + jnp.einsum("BTNH,NHD->BTD", attn, p["wo"])
         x = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)

@@ -1,0 +1,227 @@
+"""``python -m eagle3_jax.bench speed``: EAGLE-3 acceptance length and speed-up on the paper's tasks.
+
+For each task (MT-bench, HumanEval, GSM8K, Alpaca, CNN/DailyMail as ``sum``; the question files
+in ``eagle3_jax/bench/prompts``) the first ``--num-prompts`` prompts are decoded greedily at
+batch 1 with plain decoding and with EAGLE, the two interleaved per prompt (same
+implementation, same machine, compilation excluded). MT-bench has two turns: turn 2 is asked
+with turn 1 and its answer in context. Reported per task (reference §5, §7):
+
+  * ``tau``: acceptance length, EAGLE new tokens / rounds;
+  * ``accept_by_depth``: fraction of rounds accepting at least d draft tokens, d = 1..depth;
+  * ``tokens_per_s_vanilla`` / ``tokens_per_s_eagle``: medians over prompts (and turns) of
+    new tokens / seconds; ``speedup``: their ratio;
+  * ``identical``: every EAGLE answer equals the plain one token for token (it must, greedy).
+
+Writes ``--out`` (JSON ``{"tasks": {name: {...}}, "mean": {...}, "config": {...}}``), the
+markdown table next to it (``.md``, also printed) and a plot (``.png``: tau and speed-up per
+task). A random head accepts nothing and is slower than plain decoding; only a trained head
+makes the numbers meaningful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+TASKS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum")
+PROMPTS_DIR = Path(__file__).parent / "prompts"
+
+
+def load_questions(task: str, num_prompts: int) -> list[list[str]]:
+    """The user turns of the first ``num_prompts`` questions of ``task``."""
+    path = PROMPTS_DIR / task / "question.jsonl"
+    if task not in TASKS or not path.is_file():
+        raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                out.append([str(t) for t in json.loads(line)["turns"]])
+            if len(out) == num_prompts:
+                break
+    return out
+
+
+def _timed(decoder, ids: list[int], warm: set, name: str, repeats: int):
+    """(Generation, median seconds) of ``repeats`` batch-1 runs; a new shape warms up first."""
+    from eagle3_jax.decoding import bucket
+
+    shape = (name, bucket(len(ids)))
+    if shape not in warm:
+        decoder.generate_batch([ids])  # compiles (untimed) and runs once
+        warm.add(shape)
+    gens = [decoder.generate_batch([ids])[0] for _ in range(repeats)]
+    return gens[0], statistics.median(g.seconds for g in gens)
+
+
+def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
+             repeats: int = 1, warm: set | None = None,
+             log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Decode every turn with both decoders, interleaved; the task's row of the report."""
+    tok = target.tokenizer
+    warm = set() if warm is None else warm
+    speeds: dict[str, list[float]] = {"vanilla": [], "eagle": []}
+    tokens = rounds = turns = 0
+    hist = [0] * (depth + 2)
+    identical = True
+    for conversation in conversations:
+        history: list[dict[str, str]] = []
+        for user in conversation:
+            history.append({"role": "user", "content": user})
+            ids = tok.apply_chat_template(history, add_generation_prompt=True)
+            plain, t_plain = _timed(decoders["vanilla"], ids, warm, "vanilla", repeats)
+            spec, t_spec = _timed(decoders["eagle"], ids, warm, "eagle", repeats)
+            speeds["vanilla"].append(len(plain.token_ids) / max(t_plain, 1e-9))
+            speeds["eagle"].append(len(spec.token_ids) / max(t_spec, 1e-9))
+            identical &= plain.token_ids == spec.token_ids
+            tokens += len(spec.token_ids)
+            rounds += spec.rounds
+            hist = [a + b for a, b in zip(hist, spec.accept_hist)]
+            turns += 1
+            history.append({"role": "assistant",
+                            "content": tok.decode(plain.token_ids, skip_special_tokens=True)})
+            log(f"  {len(ids)} prompt tokens: vanilla {speeds['vanilla'][-1]:.1f} tok/s, eagle "
+                f"{speeds['eagle'][-1]:.1f} tok/s, {spec.rounds} rounds")
+    total = max(sum(hist), 1)
+    vanilla = statistics.median(speeds["vanilla"])
+    eagle = statistics.median(speeds["eagle"])
+    return {
+        "tau": tokens / max(rounds, 1),
+        # hist[j]: rounds that emitted j tokens = accepted j - 1 drafts.
+        "accept_by_depth": [sum(hist[d + 1:]) / total for d in range(1, depth + 1)],
+        "tokens_per_s_vanilla": vanilla, "tokens_per_s_eagle": eagle,
+        "speedup": eagle / max(vanilla, 1e-9),
+        "identical": identical, "prompts": len(conversations), "turns": turns,
+        "new_tokens": tokens, "rounds": rounds, "accept_hist": hist,
+    }
+
+
+def report_table(tasks: dict[str, dict], mean: dict) -> str:
+    from eagle3_jax.bench.common import markdown_table
+
+    rows = [(name, r["tau"], " / ".join(f"{a:.2f}" for a in r["accept_by_depth"]),
+             r["tokens_per_s_vanilla"], r["tokens_per_s_eagle"], f"{r['speedup']:.2f}x",
+             "yes" if r["identical"] else "NO") for name, r in tasks.items()]
+    rows.append(("mean", mean["tau"], "", "", "", f"{mean['speedup']:.2f}x", ""))
+    return markdown_table(["task", "tau", "accepted >= d drafts (d = 1..)", "vanilla tok/s",
+                           "eagle tok/s", "speed-up", "identical"], rows)
+
+
+def plot(path: Path, tasks: dict[str, dict], title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(tasks)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    left.bar(names, [tasks[n]["tau"] for n in names], color="tab:blue")
+    left.set_ylabel("acceptance length tau")
+    left.set_ylim(bottom=0)
+    right.bar(names, [tasks[n]["speedup"] for n in names], color="tab:green")
+    right.axhline(1.0, color="gray", ls="--")
+    right.set_ylabel("speed-up over plain decoding")
+    for ax in (left, right):
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m eagle3_jax.bench speed",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {', '.join(TASKS)}")
+    p.add_argument("--num-prompts", type=int, default=10, help="prompts per task (max 80)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--draft", required=True, metavar="PATH",
+                   help="EAGLE-3 head: released-format folder or training run / checkpoint")
+    p.add_argument("--target", default=None, help="preset, HF folder or .gguf (default SmolLM2)")
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--top-k", "--tree-top-k", dest="top_k", type=int, default=None,
+                   help="tree children per node (greedy decoding; not a sampling cut-off)")
+    p.add_argument("--total-tokens", default=None, help="a number or 'auto'")
+    p.add_argument("--accept-rates", default=None, metavar="A1,A2,...")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and mode")
+    p.add_argument("--out", default="bench_speed.json")
+    p.add_argument("--no-plot", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, *, load_fn: Callable | None = None) -> int:
+    from eagle3_jax.decode import CLIError
+
+    args = build_parser().parse_args(argv)
+    try:
+        run(args, load_fn)
+    except (CLIError, ValueError, OSError, RuntimeError) as e:
+        name = "" if isinstance(e, CLIError) else f"{type(e).__name__}: "
+        print(f"error: {name}{e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
+    from eagle3_jax.bench.common import machine_description, write_json
+    from eagle3_jax.decode import (EagleDecoder, VanillaDecoder, load_draft, log,
+                                   parse_accept_rates, parse_total_tokens, resolve_tree)
+    from eagle3_jax.decoding import GREEDY
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks or any(t not in TASKS for t in tasks):
+        raise ValueError(f"--tasks must name some of {', '.join(TASKS)}, got {args.tasks!r}")
+    if not 1 <= args.num_prompts <= 80 or args.max_new_tokens < 1 or args.repeats < 1:
+        raise ValueError("--num-prompts must be in 1..80, --max-new-tokens and --repeats >= 1")
+    total_tokens = parse_total_tokens(args.total_tokens)
+    rates = parse_accept_rates(args.accept_rates)
+    tree = None if total_tokens == "auto" else resolve_tree(total_tokens, args.top_k, args.depth)
+    questions = {t: load_questions(t, args.num_prompts) for t in tasks}
+
+    if load_fn is None:
+        from eagle3_jax.checkpoints import load_target as load_fn
+    target = load_fn(args.target)
+    head, head_rates, description = load_draft(args.draft, target.cfg)
+    if tree is None:
+        first = target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": questions[tasks[0]][0][0]}], add_generation_prompt=True)
+        tree = resolve_tree("auto", args.top_k, args.depth, target=target, head=head,
+                            prompt_length=len(first), accept_rates=rates or head_rates)
+    decoders = {"vanilla": VanillaDecoder(target, GREEDY, args.max_new_tokens, 0),
+                "eagle": EagleDecoder(target, GREEDY, args.max_new_tokens, 0, head=head,
+                                      tree=tree)}
+    log(f"[speed: {target.source} with {description}; tree top_k={tree.top_k} depth="
+        f"{tree.depth} total_tokens={tree.total_tokens}]")
+    results, warm = {}, set()
+    start = time.perf_counter()
+    for task in tasks:
+        log(f"[{task}: {len(questions[task])} prompts]")
+        results[task] = run_task(questions[task], target, decoders, tree.depth, args.repeats,
+                                 warm, log)
+    mean = {"tau": statistics.mean(r["tau"] for r in results.values()),
+            "speedup": statistics.mean(r["speedup"] for r in results.values())}
+    config = {"target": str(target.source), "draft": description,
+              "tree": {"top_k": tree.top_k, "depth": tree.depth,
+                       "total_tokens": tree.total_tokens},
+              "total_tokens_auto": total_tokens == "auto", "num_prompts": args.num_prompts,
+              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "batch_size": 1,
+              "temperature": 0.0, "seconds": round(time.perf_counter() - start, 1),
+              "machine": machine_description()}
+    out = Path(args.out)
+    report = {"tasks": results, "mean": mean, "config": config}
+    write_json(out, report)
+    table = report_table(results, mean)
+    print(table)
+    out.with_suffix(".md").write_text(table + "\n")
+    written = [out, out.with_suffix(".md")]
+    if not args.no_plot:
+        plot(out.with_suffix(".png"), results,
+             f"EAGLE-3 on {Path(str(target.source)).name}, tree {tree.top_k}/{tree.depth}/"
+             f"{tree.total_tokens}, {args.num_prompts} prompts/task, batch 1, T=0")
+        written.append(out.with_suffix(".png"))
+    log(f"[wrote {', '.join(map(str, written))}]")
+    return report

@@ -1,0 +1,287 @@
+"""Pick the draft tree (top_k, depth, total_tokens) that maximises expected tokens/s here.
+
+The model (batch 1, greedy)::
+
+    tokens/s(tree) = E[tau](tree) / (t_target(total_tokens) + t_draft(depth, top_k))
+
+* ``t_target(T)``: measured seconds of one target forward over T new tokens after ``context``
+  cached tokens (``bench.forward.forward_curve``), T in 1, 2, 4, ..., 64; linear in between.
+  T = 1 is plain decoding's step, so plain tokens/s = 1 / t_target(1).
+* ``t_draft(depth, k) = (depth - 1) * t_step(k) + t_step(depth + 1)``: the tree grows depth - 1
+  levels of k frontier tokens, then the draft catches up on the accepted path (depth + 1
+  tokens). ``t_step(w)`` is one measured draft step over w tokens.
+* ``E[tau]``: acceptance is modelled per depth. ``a_d`` (d = 0 for the root's children) is the
+  chance that the draft's top-1 token at depth d equals the target's, given its path was
+  accepted. The rank-r sibling (0-based) catches the target's token with ``a_d (1 - a_d)^r``
+  (the rest of the mass, geometrically; siblings are disjoint events). A node is accepted with
+  the product of its path's factors, so ``E[tau] = 1 + sum over non-root nodes of that
+  product`` (accepted nodes form one path; the 1 is the bonus token). Which nodes the tree
+  holds follows the real build (``decoding/tree.py``) with the model's probabilities standing in
+  for the draft's scores: level 1 is the root's k children, each further level the k children of
+  the best k nodes of the level above, and the tree the best ``total_tokens - 1`` candidates.
+* ``a_d``: a head's measured per-step accuracies (training eval ``acc_per_step``; the TTT step
+  i accuracy is exactly "top-1 at depth i given correct ancestors"), or ``--accept-rates``, or
+  the default profile ``a_d = 0.6 * 0.9**d``. Depths past the given list continue the last
+  rate times 0.9 per level.
+
+Costs are cached per machine and model in ``$EAGLE3_JAX_HOME/autotune/<key>.json``, key a hash
+of the platform, device kind and target config; draft steps are stored under a hash of the
+draft config inside the same file. A flat cost curve (accelerators, memory bound) picks a big
+tree, a steep one (CPUs, compute bound) a small one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from eagle3_jax.decoding.tree import TreeConfig
+
+TARGET_SIZES = (1, 2, 4, 8, 16, 32, 64)
+DRAFT_WIDTHS = (1, 2, 4, 8, 16)
+TOP_KS = (1, 2, 3, 4, 6, 8, 10)
+DEPTHS = tuple(range(1, 9))
+DEFAULT_FIRST_RATE, DEFAULT_DECAY = 0.6, 0.9
+
+
+class AutotuneError(ValueError):
+    """Bad acceptance rates or an empty search space; the message says what to pass."""
+
+
+# ------------------------------------------------------------------------- acceptance model
+
+
+def default_accept_rates(depth: int) -> list[float]:
+    """The documented fallback profile a_d = 0.6 * 0.9**d, d = 0 .. depth-1."""
+    return [DEFAULT_FIRST_RATE * DEFAULT_DECAY ** d for d in range(depth)]
+
+
+def rates_for_depth(rates: Sequence[float] | None, depth: int) -> list[float]:
+    """``rates`` cut or extended (last rate x 0.9 per extra level) to ``depth`` entries."""
+    if not rates:
+        return default_accept_rates(depth)
+    rates = [float(r) for r in rates]
+    if any(not 0.0 <= r <= 1.0 for r in rates):
+        raise AutotuneError(f"acceptance rates must lie in [0, 1], got {rates}")
+    while len(rates) < depth:
+        rates.append(rates[-1] * DEFAULT_DECAY)
+    return rates[:depth]
+
+
+def candidate_scores(top_k: int, depth: int, rates: Sequence[float]) -> np.ndarray:
+    """Modelled acceptance probability of every candidate node, sorted descending."""
+    a = rates_for_depth(rates, depth)
+    rank = lambda d: np.array([a[d] * (1 - a[d]) ** r for r in range(top_k)])  # noqa: E731
+    level = rank(0)
+    scores = [level]
+    for d in range(1, depth):
+        frontier = np.sort(level)[::-1][:top_k]
+        level = (frontier[:, None] * rank(d)[None, :]).reshape(-1)
+        scores.append(level)
+    return np.sort(np.concatenate(scores))[::-1]
+
+
+def expected_accept_length(tree: TreeConfig, rates: Sequence[float] | None = None) -> float:
+    """Modelled E[tau] (tokens per round, bonus included) of ``tree`` (module docstring)."""
+    scores = candidate_scores(tree.top_k, tree.depth, rates_for_depth(rates, tree.depth))
+    return 1.0 + float(np.sum(scores[: tree.total_tokens - 1]))
+
+
+# ------------------------------------------------------------------------- cost model
+
+
+def _interp(points: Mapping[int, float], x: float) -> float:
+    xs = sorted(points)
+    return float(np.interp(x, xs, [points[k] for k in xs]))
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Seconds of one target forward over T tokens, and of one draft step over w tokens."""
+
+    target: Mapping[int, float]
+    draft: Mapping[int, float]
+
+    def target_cost(self, total_tokens: int) -> float:
+        return _interp(self.target, total_tokens)
+
+    def draft_cost(self, depth: int, top_k: int) -> float:
+        return (depth - 1) * _interp(self.draft, top_k) + _interp(self.draft, depth + 1)
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.target)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeChoice:
+    tree: TreeConfig
+    expected_accept_length: float
+    seconds_per_round: float
+    tokens_per_s: float
+    plain_tokens_per_s: float
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.tokens_per_s / self.plain_tokens_per_s
+
+    def describe(self) -> str:
+        t = self.tree
+        return (f"top_k={t.top_k} depth={t.depth} total_tokens={t.total_tokens}: modelled "
+                f"tau {self.expected_accept_length:.2f}, {self.seconds_per_round * 1e3:.2f} ms "
+                f"per round, {self.tokens_per_s:.1f} tokens/s vs plain "
+                f"{self.plain_tokens_per_s:.1f} ({self.predicted_speedup:.2f}x)")
+
+
+def select_tree(costs: CostModel, rates: Sequence[float] | None = None, *,
+                top_k: int | None = None, depth: int | None = None,
+                top_ks: Sequence[int] = TOP_KS, depths: Sequence[int] = DEPTHS) -> TreeChoice:
+    """The valid tree with the highest modelled tokens/s (ties: the smaller tree).
+
+    ``top_k`` / ``depth`` fix that dimension (a user's ``--top-k`` / ``--depth``); total_tokens
+    ranges over 2 .. the largest measured T.
+    """
+    top_ks = (top_k,) if top_k is not None else tuple(top_ks)
+    depths = (depth,) if depth is not None else tuple(depths)
+    plain = 1.0 / costs.target_cost(1)
+    best: TreeChoice | None = None
+    for k in top_ks:
+        for d in depths:
+            scores = candidate_scores(k, d, rates_for_depth(rates, d))
+            tau = 1.0 + np.concatenate([[0.0], np.cumsum(scores)])  # tau[n] for n drafts
+            draft = costs.draft_cost(d, k)
+            for n in range(2, min(len(scores) + 1, costs.max_tokens) + 1):
+                seconds = costs.target_cost(n) + draft
+                speed = tau[n - 1] / seconds
+                if best is None or speed > best.tokens_per_s:
+                    best = TreeChoice(TreeConfig(top_k=k, depth=d, total_tokens=n),
+                                      float(tau[n - 1]), seconds, speed, plain)
+    if best is None:
+        raise AutotuneError(f"no tree fits top_k={top_ks}, depth={depths} and the measured "
+                            f"sizes up to {costs.max_tokens} tokens")
+    return best
+
+
+# ------------------------------------------------------------------------- measuring, cache
+
+
+def cache_root() -> Path:
+    from eagle3_jax.checkpoints.default_model import cache_dir
+
+    return cache_dir() / "autotune"
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def machine_key(cfg) -> dict:
+    """What the measurements depend on: platform, device kind, target config."""
+    import jax
+
+    device = jax.devices()[0]
+    return {"platform": platform.platform(), "machine": platform.machine(),
+            "backend": jax.default_backend(), "device_kind": device.device_kind,
+            "target_config": dataclasses.asdict(cfg)}
+
+
+def cache_path(cfg, directory: str | Path | None = None) -> Path:
+    return Path(directory or cache_root()) / f"{_digest(machine_key(cfg))}.json"
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def measure_draft_steps(head, embed, context: int, widths: Sequence[int],
+                        repeats: int) -> dict[int, float]:
+    """Median seconds of one draft step over w tokens after ``context`` cached entries."""
+    import jax
+    import jax.numpy as jnp
+
+    from eagle3_jax.bench.common import interleaved_medians
+    from eagle3_jax.draft.model import draft_step_cached
+
+    dcfg = head.cfg
+    slots = context + max(widths)
+    # Draft KV cache, head-major like decoding's: [B, K, S, H].
+    cache = jnp.zeros((1, dcfg.num_kv_heads, slots, dcfg.head_dim), jnp.dtype(dcfg.dtype))
+    step = jax.jit(functools.partial(draft_step_cached, cfg=dcfg))
+    fns = {}
+    for w in widths:
+        tokens = jnp.ones((1, w), jnp.int32)
+        g = jnp.zeros((1, w, dcfg.hidden_size), jnp.dtype(dcfg.dtype))
+        pos = context + jnp.arange(w, dtype=jnp.int32)[None]
+        mask = jnp.arange(slots)[None, None, :] <= pos[:, :, None]
+
+        def run(tokens=tokens, g=g, pos=pos, mask=mask):
+            return step(head.params, embeds=jnp.take(embed, tokens, axis=0), g=g, positions=pos,
+                        mask=mask, cache_k=cache, cache_v=cache, write_slots=pos)
+        fns[w] = run
+    return interleaved_medians(fns, repeats, warmup=1)
+
+
+def measure_costs(target_params, cfg, head, context: int, *, repeats: int = 5,
+                  sizes: Sequence[int] = TARGET_SIZES, widths: Sequence[int] = DRAFT_WIDTHS,
+                  directory: str | Path | None = None,
+                  log: Callable[[str], None] = lambda s: None) -> CostModel:
+    """Measured (or cached) costs for ``context`` on this machine; writes the cache file."""
+    path = cache_path(cfg, directory)
+    data = _read(path)
+    data.setdefault("key", machine_key(cfg))
+    ctx = str(int(context))
+    target = data.setdefault("target", {}).setdefault(ctx, {})
+    missing = [t for t in sizes if str(t) not in target]
+    if missing:
+        from eagle3_jax.bench.forward import forward_curve
+
+        log(f"[autotune: timing target forwards of {missing} tokens at context {context}]")
+        target.update({str(t): s for t, s in forward_curve(target_params, cfg, int(context),
+                                                           missing, repeats).items()})
+    dkey = _digest(head.cfg.to_dict())
+    draft = data.setdefault("draft", {}).setdefault(dkey, {}).setdefault(ctx, {})
+    missing_w = [w for w in widths if str(w) not in draft]
+    if missing_w:
+        log(f"[autotune: timing draft steps of {missing_w} tokens]")
+        draft.update({str(w): s for w, s in measure_draft_steps(
+            head, target_params["embed"], int(context), missing_w, repeats).items()})
+    if missing or missing_w:
+        _write(path, data)
+        log(f"[autotune: wrote {path}]")
+    return CostModel(target={int(t): float(target[str(t)]) for t in sizes},
+                     draft={int(w): float(draft[str(w)]) for w in widths})
+
+
+def autotune_context(prompt_length: int) -> int:
+    """The context the costs are measured at: the prompt length rounded up to 128 * 2**i."""
+    from eagle3_jax.decoding.batching import bucket
+
+    return bucket(max(int(prompt_length), 1), 128)
+
+
+def autotune_tree(target_params, cfg, head, prompt_length: int, *,
+                  accept_rates: Sequence[float] | None = None, top_k: int | None = None,
+                  depth: int | None = None, directory: str | Path | None = None,
+                  log: Callable[[str], None] = lambda s: None) -> TreeChoice:
+    """Measure (once per machine, model and context bucket) and pick the tree."""
+    costs = measure_costs(target_params, cfg, head, autotune_context(prompt_length),
+                          directory=directory, log=log)
+    return select_tree(costs, accept_rates, top_k=top_k, depth=depth)

@@ -1,0 +1,102 @@
+"""Tree autotuning (``eagle3_jax.decoding.autotune``): the acceptance model, the selection on
+synthetic cost curves (flat like an accelerator, steep like a CPU), and the per-machine cache."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from eagle3_jax.decoding import autotune
+from eagle3_jax.decoding.autotune import (CostModel, default_accept_rates,
+                                          expected_accept_length, select_tree)
+from eagle3_jax.decoding.tree import TreeConfig
+from eagle3_jax.draft.config import DraftConfig
+from eagle3_jax.draft.params import DraftHead, VocabMap, init_draft_params
+from eagle3_jax.model.config import TargetConfig
+from eagle3_jax.model.params import init_params
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+CHEAP_DRAFT = {w: 1e-5 for w in (1, 2, 4, 8, 16)}
+
+
+def test_expected_accept_length_of_a_chain_is_the_prefix_product_sum():
+    rates = [0.8, 0.5, 0.25]
+    chain = TreeConfig.chain(3)
+    assert expected_accept_length(chain, rates) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+    # Siblings add the rank-1 share a (1 - a): 0.8 * 0.2 for the root's second child.
+    wide = TreeConfig(top_k=2, depth=1, total_tokens=3)
+    assert expected_accept_length(wide, rates) == pytest.approx(1 + 0.8 + 0.16)
+    # Perfect acceptance: every level adds one token.
+    assert expected_accept_length(TreeConfig(top_k=4, depth=5, total_tokens=40),
+                                  [1.0] * 5) == pytest.approx(6.0)
+    assert default_accept_rates(3) == pytest.approx([0.6, 0.54, 0.486])
+
+
+def test_more_tokens_never_lower_the_expected_length():
+    taus = [expected_accept_length(TreeConfig(top_k=4, depth=6, total_tokens=n))
+            for n in range(2, 60)]
+    assert all(b >= a for a, b in zip(taus, taus[1:]))
+    assert taus[-1] <= 1 + 6  # at most depth drafts plus the bonus token
+
+
+def test_flat_cost_curve_picks_a_big_tree():
+    # Accelerator-like: memory bound, a 64-token forward costs what one token costs.
+    costs = CostModel(target={t: 0.010 for t in SIZES}, draft=CHEAP_DRAFT)
+    choice = select_tree(costs)
+    assert choice.tree.total_tokens >= 32 and choice.tree.depth >= 5
+    assert choice.predicted_speedup > 2
+
+
+def test_linear_cost_curve_picks_a_small_tree():
+    # CPU-like: compute bound, each extra token costs about as much as the fixed part.
+    costs = CostModel(target={t: 0.010 + 0.010 * t for t in SIZES}, draft=CHEAP_DRAFT)
+    choice = select_tree(costs)
+    assert choice.tree.total_tokens <= 4
+    assert choice.expected_accept_length == pytest.approx(
+        expected_accept_length(choice.tree, default_accept_rates(choice.tree.depth)))
+
+
+def test_better_heads_and_cheaper_drafts_grow_the_tree():
+    costs = CostModel(target={t: 0.010 + 0.0005 * t for t in SIZES}, draft=CHEAP_DRAFT)
+    weak = select_tree(costs, [0.3])
+    strong = select_tree(costs, [0.9])
+    assert strong.tree.depth > weak.tree.depth
+    expensive = CostModel(target=costs.target, draft={w: 0.004 for w in CHEAP_DRAFT})
+    assert select_tree(expensive, [0.9]).tree.depth < strong.tree.depth
+    # A fixed dimension is respected.
+    assert select_tree(costs, [0.9], top_k=1).tree.top_k == 1
+    assert select_tree(costs, [0.9], depth=2).tree.depth == 2
+
+
+def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
+    cfg = TargetConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                       num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
+                       max_position_embeddings=256)
+    params = init_params(cfg, jax.random.key(0), scale=0.3)
+    dcfg = DraftConfig.for_target(cfg, draft_vocab_size=32)
+    head = DraftHead(init_draft_params(dcfg, jax.random.key(1)),
+                     VocabMap.from_used_ids(np.arange(0, 64, 2), 64), dcfg)
+    monkeypatch.setenv("EAGLE3_JAX_HOME", str(tmp_path))
+    kw = dict(repeats=1, sizes=(1, 4), widths=(1, 2))
+    costs = autotune.measure_costs(params, cfg, head, 16, **kw)
+    path = autotune.cache_path(cfg)
+    assert path.parent == tmp_path / "autotune" and path.is_file()
+    data = json.loads(path.read_text())
+    assert data["key"]["device_kind"] == jax.devices()[0].device_kind
+    assert set(data["target"]["16"]) == {"1", "4"}
+    assert all(v > 0 for v in costs.target.values()) and set(costs.draft) == {1, 2}
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("cached costs must not be measured again")
+
+    monkeypatch.setattr("eagle3_jax.bench.forward.forward_curve", no_timing)
+    monkeypatch.setattr(autotune, "measure_draft_steps", no_timing)
+    assert autotune.measure_costs(params, cfg, head, 16, **kw) == costs
+    choice = autotune.select_tree(costs, top_k=2)
+    assert choice.tree.top_k == 2 and 2 <= choice.tree.total_tokens <= 4
+    # Another target config is another file.
+    other = TargetConfig(**{**cfg.to_dict(), "num_layers": 5})
+    assert autotune.cache_path(other) != path

@@ -1,0 +1,229 @@
+"""EAGLE mode of ``python -m eagle3_jax.decode`` and ``python -m eagle3_jax.bench speed``.
+
+A random draft head (exported in the released format) accepts almost nothing, but greedy EAGLE
+output must still equal plain greedy output token for token, which is what these tests pin:
+on the real SmolLM2 through the CLI (batch 2, ``--compare``) and the library, and on a tiny
+random target for streaming and a context that fills up. SmolLM2 compilations dominate the
+time, so the CLI tests share one tree shape, one prompt set and one batch size.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from eagle3_jax.decode import main
+from eagle3_jax.decoding import generate, pad_prompts
+from eagle3_jax.decoding.eagle import generate_eagle
+from eagle3_jax.decoding.tree import TreeConfig
+from eagle3_jax.draft.config import DraftConfig
+from eagle3_jax.draft.export import export_draft_head
+from eagle3_jax.draft.params import DraftHead, VocabMap, init_draft_params
+from eagle3_jax.model.config import TargetConfig
+from eagle3_jax.model.params import init_params
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+           "List three prime numbers and explain briefly why each one is prime."]
+TREE_ARGS = ("--tree-top-k", "2", "--depth", "3", "--total-tokens", "8")
+
+
+def random_head(cfg: TargetConfig, draft_vocab: int, seed: int = 0, **overrides) -> DraftHead:
+    dcfg = DraftConfig.for_target(cfg, draft_vocab_size=draft_vocab, **overrides)
+    used = np.sort(np.random.default_rng(seed).choice(cfg.vocab_size, draft_vocab, replace=False))
+    return DraftHead(params=init_draft_params(dcfg, jax.random.key(seed), scale=0.05),
+                     vocab=VocabMap.from_used_ids(used, cfg.vocab_size), cfg=dcfg)
+
+
+def run(target, capsys, *argv):
+    code = main(list(argv), load_fn=lambda _: target)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_error(code, out, err, message):
+    assert code == 2 and out == "", err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], err
+    assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------- SmolLM2
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf_path):
+    from eagle3_jax.checkpoints import load_target
+
+    return load_target(smollm2_gguf_path)
+
+
+@pytest.fixture(scope="module")
+def smollm2_head_dir(smollm2, tmp_path_factory):
+    return export_draft_head(random_head(smollm2.cfg, 2048),
+                             tmp_path_factory.mktemp("heads") / "smollm2-random")
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return path
+
+
+@pytest.mark.slow
+def test_eagle_json_equals_vanilla(smollm2, smollm2_head_dir, prompts_file, capsys):
+    common = ("--prompts-file", str(prompts_file), "--json", "--max-new-tokens", "24",
+              "--batch-size", "2")
+    code, out, err = run(smollm2, capsys, *common)
+    assert code == 0, err
+    plain = [json.loads(line) for line in out.splitlines()]
+    code, out, err = run(smollm2, capsys, *common, "--mode", "eagle", "--draft",
+                         str(smollm2_head_dir), *TREE_ARGS)
+    assert code == 0, err
+    spec = [json.loads(line) for line in out.splitlines()]
+    assert len(spec) == len(plain) == 3
+    for p, s in zip(plain, spec):
+        assert s["token_ids"] == p["token_ids"] and s["text"] == p["text"]
+        assert s["stop"] == p["stop"] and s["stop"] in ("eos", "length")
+        assert "rounds" not in p
+        hist = s["accept_hist"]
+        assert len(hist) == 3 + 2 and sum(hist) == s["rounds"] >= 1 and hist[0] == 0
+        assert s["mean_accept_length"] == pytest.approx(s["new_tokens"] / s["rounds"], abs=1e-3)
+    assert [s["batch_size"] for s in spec] == [2, 2, 1]
+
+
+@pytest.mark.slow
+def test_compare_reports_both_speeds(smollm2, smollm2_head_dir, prompts_file, capsys):
+    code, out, err = run(smollm2, capsys, "--prompts-file", str(prompts_file), "--compare",
+                         "--max-new-tokens", "24", "--batch-size", "2", "--draft",
+                         str(smollm2_head_dir), *TREE_ARGS)
+    assert code == 0, err
+    summary = out.splitlines()[-1]
+    assert summary.startswith("compare: vanilla ") and "speed-up" in summary
+    assert "identical texts 3/3" in summary
+    assert err.count("identical: yes") == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree", [TreeConfig.chain(4), TreeConfig(top_k=3, depth=3,
+                                                                  total_tokens=10)],
+                         ids=["chain", "tree"])
+def test_library_greedy_equals_plain_on_smollm2(smollm2, tree):
+    tok = smollm2.tokenizer
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[1:]]
+    assert len(ids[0]) != len(ids[1])
+    batch = pad_prompts(ids, pad_id=tok.pad_token_id)
+    head = random_head(smollm2.cfg, 2048, seed=1)
+    plain = generate(smollm2.params, smollm2.cfg, batch.tokens, batch.lengths,
+                     max_new_tokens=20)
+    out = generate_eagle(smollm2.params, smollm2.cfg, head, batch.tokens, batch.lengths,
+                         max_new_tokens=20, tree=tree)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    assert (np.asarray(out.rounds) >= 1).all()
+
+
+@pytest.mark.slow
+def test_errors_are_one_clear_line(smollm2, smollm2_head_dir, tmp_path, capsys):
+    narrow = random_head(smollm2.cfg, 256, hidden_size=64, intermediate_size=128, num_heads=2,
+                         num_kv_heads=1, head_dim=32)
+    misfit = export_draft_head(narrow, tmp_path / "narrow")
+    cases = [
+        (("--draft", str(misfit)), "hidden size 64 != target's 576"),
+        (("--draft", str(smollm2_head_dir), "--tree-top-k", "1", "--depth", "2",
+          "--total-tokens", "10"), "total_tokens <= 3"),
+        (("--mode", "eagle"), "no default head ships yet"),
+        (("--draft", str(tmp_path / "nope")), "does not exist"),
+        (("--draft", str(tmp_path)), "neither a released EAGLE-3 head folder"),
+        (("--mode", "vanilla", "--depth", "3"), "only apply to --mode eagle"),
+    ]
+    for extra, message in cases:
+        one_error(*run(smollm2, capsys, "--prompt", "hi", "--json", *extra), message)
+
+
+@pytest.mark.slow
+def test_bench_speed_json(smollm2, smollm2_head_dir, tmp_path, capsys):
+    from eagle3_jax.bench.speed import main as speed_main
+
+    out = tmp_path / "speed.json"
+    code = speed_main(["--tasks", "mt_bench,gsm8k", "--num-prompts", "1", "--max-new-tokens",
+                       "8", "--draft", str(smollm2_head_dir), "--out", str(out), *TREE_ARGS,
+                       "--no-plot"], load_fn=lambda _: smollm2)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    result = json.loads(out.read_text())
+    assert set(result["tasks"]) == {"mt_bench", "gsm8k"}
+    for task in result["tasks"].values():
+        assert {"tau", "accept_by_depth", "tokens_per_s_vanilla", "tokens_per_s_eagle",
+                "speedup"} <= set(task)
+        assert len(task["accept_by_depth"]) == 3 and task["tau"] >= 1
+        assert task["identical"] is True
+    assert result["tasks"]["mt_bench"]["turns"] == 2
+    assert result["config"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 8}
+    assert "| mt_bench |" in captured.out and out.with_suffix(".md").exists()
+
+
+# ---------------------------------------------------------------------------- tiny target
+
+EOS, PAD = 256, 257
+TINY = TargetConfig(arch="llama", vocab_size=260, hidden_size=32, intermediate_size=64,
+                    num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
+                    max_position_embeddings=128)
+
+
+class ByteTokenizer:
+    eos_token_ids = (EOS,)
+    pad_token_id = PAD
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return list((text + ("assistant: " if add_generation_prompt else "")).encode())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    target = types.SimpleNamespace(cfg=TINY, params=init_params(TINY, jax.random.key(1),
+                                                                scale=0.3),
+                                   tokenizer=ByteTokenizer(), source="tiny-random")
+    head_dir = export_draft_head(random_head(TINY, 200, seed=2),
+                                 tmp_path_factory.mktemp("tiny") / "head")
+    return target, str(head_dir)
+
+
+def test_streamed_eagle_text_equals_vanilla(tiny, capsys):
+    target, head = tiny
+    _, plain, _ = run(target, capsys, "--prompt", "stream me", "--max-new-tokens", "20")
+    code, spec, err = run(target, capsys, "--prompt", "stream me", "--max-new-tokens", "20",
+                          "--draft", head, "--tree-top-k", "2", "--depth", "2")
+    assert code == 0, err
+    assert spec == plain and "rounds, mean accept length" in err
+
+
+class NoEosTokenizer(ByteTokenizer):
+    eos_token_ids = ()  # the random model must run into the context, not stop early
+
+
+def test_full_context_stops_cleanly(tiny, capsys):
+    target, head = tiny
+    target = types.SimpleNamespace(**{**vars(target), "tokenizer": NoEosTokenizer()})
+    args = ("--prompt", "x" * 40, "--json", "--max-new-tokens", "120")
+    code, out, err = run(target, capsys, *args)
+    assert code == 0, err
+    plain = json.loads(out)
+    code, out, err = run(target, capsys, *args, "--draft", head, *TREE_ARGS)
+    assert code == 0, err
+    spec = json.loads(out)
+    assert plain["stop"] == spec["stop"] == "context"
+    n = spec["new_tokens"]
+    assert 0 < n < plain["new_tokens"] < 120 and spec["token_ids"] == plain["token_ids"][:n]
+    prompt = len(plain["prompt_token_ids"])
+    # Plain decoding fills every slot, then emits the token it could not feed back.
+    assert prompt + plain["new_tokens"] == TINY.max_position_embeddings + 1
+    # EAGLE stops once the next 8-token tree (+ depth + 1 slack) would not fit.
+    assert prompt + n - 1 + 8 + 4 > TINY.max_position_embeddings
