@@ -1,7 +1,7 @@
 """Target-model architecture config: one frozen dataclass for Llama / Mistral / Qwen2 / Qwen3.
 
 Built from an HF ``config.json`` (:meth:`TargetConfig.from_hf_config`), from GGUF metadata
-(``eagle3_jax.checkpoints.gguf``) or from a YAML preset (``eagle3_jax.presets``). Frozen and
+(``eagle3_jax.checkpoints.gguf_loader``) or from a YAML preset (``eagle3_jax.presets``). Frozen and
 hashable, so it can be a static argument of ``jax.jit``.
 """
 
