@@ -16,7 +16,8 @@ Output:
     model context / KV cache filled up first), ``seconds`` (wall time of the batched generate
     call that produced it, compilation excluded), ``tokens_per_s`` (new_tokens / seconds) and
     ``batch_size``. Prompts are decoded ``--batch-size`` at a time. EAGLE adds ``rounds``
-    (verification rounds), ``mean_accept_length`` (new_tokens / rounds) and ``accept_hist``
+    (verification rounds), ``mean_accept_length`` (tokens per round, accepted drafts + 1, from
+    ``accept_hist``; the prefill's token is not a round) and ``accept_hist``
     (index j: rounds that emitted j tokens, i.e. accepted j - 1 drafts).
 
 ``--mode`` picks the decoder: ``vanilla`` (plain autoregressive decoding, the default while no
@@ -105,8 +106,10 @@ class Generation:
     def eagle_fields(self) -> dict:
         if self.rounds is None:
             return {}
+        from eagle3_jax.decoding.eagle import mean_accept_length
+
         return {"rounds": self.rounds,
-                "mean_accept_length": round(len(self.token_ids) / max(self.rounds, 1), 4),
+                "mean_accept_length": round(mean_accept_length(self.accept_hist), 4),
                 "accept_hist": self.accept_hist}
 
 
@@ -339,7 +342,7 @@ def parse_total_tokens(text: str | None) -> int | str | None:
 
 
 def resolve_tree(total_tokens, top_k: int | None, depth: int | None, *, target=None, head=None,
-                 prompt_length: int = 0, accept_rates=None):
+                 prompt_length: int = 0, accept_rates=None, rates_source: str = "given"):
     """A TreeConfig from the flags; ``total_tokens="auto"`` measures and picks (autotune)."""
     from eagle3_jax.decoding.tree import TreeConfig
 
@@ -355,7 +358,7 @@ def resolve_tree(total_tokens, top_k: int | None, depth: int | None, *, target=N
 
     choice = autotune_tree(target.params, target.cfg, head, prompt_length,
                            accept_rates=accept_rates, top_k=top_k, depth=depth, log=log)
-    source = "given" if accept_rates else "default profile 0.6*0.9^d"
+    source = rates_source if accept_rates else "default profile 0.6*0.9^d"
     log(f"[autotune ({source} acceptance rates): {choice.describe()}]")
     return choice.tree
 
@@ -469,7 +472,8 @@ def _run(args: argparse.Namespace, load_fn: Callable) -> None:
             first = target.tokenizer.apply_chat_template(
                 [{"role": "user", "content": conversations[0][0]}], add_generation_prompt=True)
             tree = resolve_tree("auto", args.tree_top_k, args.depth, target=target, head=head,
-                                prompt_length=len(first), accept_rates=accept_rates or rates)
+                                prompt_length=len(first), accept_rates=accept_rates or rates,
+                                rates_source="--accept-rates" if accept_rates else "the head's")
         log(f"[draft tree: top_k={tree.top_k} depth={tree.depth} "
             f"total_tokens={tree.total_tokens}]")
         decoders["eagle"] = EagleDecoder(target, sampling, args.max_new_tokens, args.seed,
@@ -547,7 +551,7 @@ def _run_compare(conversations: list[list[str]], target, decoders: dict, batch_s
     tok = target.tokenizer
     text = lambda gen: tok.decode(gen.token_ids, skip_special_tokens=True)  # noqa: E731
     totals = {name: {"tokens": 0, "seconds": 0.0} for name in ("vanilla", "eagle")}
-    rounds, turns, identical = 0, 0, 0
+    rounds, turns, identical, hist = 0, 0, 0, []
 
     def generate(prompts):
         pairs = {}
@@ -559,10 +563,11 @@ def _run_compare(conversations: list[list[str]], target, decoders: dict, batch_s
         return list(zip(pairs["vanilla"], pairs["eagle"]))
 
     def emit(i, turn, prompt, pair, rows):
-        nonlocal rounds, turns, identical
+        nonlocal rounds, turns, identical, hist
         plain, spec = pair
         same = plain.token_ids == spec.token_ids
         rounds, turns, identical = rounds + spec.rounds, turns + 1, identical + same
+        hist = [a + b for a, b in zip(hist or [0] * len(spec.accept_hist), spec.accept_hist)]
         eagle_record = _record(spec, text(spec), max_new_tokens)
         plain_record = _record(plain, text(plain), max_new_tokens)
         if as_json:
@@ -581,7 +586,9 @@ def _run_compare(conversations: list[list[str]], target, decoders: dict, batch_s
 
     _decode_turns(conversations, target, batch_size, generate, lambda pair: text(pair[1]), emit)
     speed = {name: t["tokens"] / max(t["seconds"], 1e-9) for name, t in totals.items()}
-    tau = totals["eagle"]["tokens"] / max(rounds, 1)
+    from eagle3_jax.decoding.eagle import mean_accept_length
+
+    tau = mean_accept_length(hist)
     summary = (f"compare: vanilla {speed['vanilla']:.1f} tokens/s, eagle {speed['eagle']:.1f} "
                f"tokens/s, speed-up {speed['eagle'] / max(speed['vanilla'], 1e-9):.2f}x; "
                f"mean accept length {tau:.2f} over {rounds} rounds; identical texts "

@@ -26,7 +26,7 @@ from eagle3_jax.draft.params import DraftHead, VocabMap, init_draft_params
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import init_params
 
-PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+PROMPTS = ["What is the capital of France?",
            "List three prime numbers and explain briefly why each one is prime."]
 TREE_ARGS = ("--tree-top-k", "2", "--depth", "3", "--total-tokens", "8")
 
@@ -85,15 +85,19 @@ def test_eagle_json_equals_vanilla(smollm2, smollm2_head_dir, prompts_file, caps
                          str(smollm2_head_dir), *TREE_ARGS)
     assert code == 0, err
     spec = [json.loads(line) for line in out.splitlines()]
-    assert len(spec) == len(plain) == 3
+    assert len(spec) == len(plain) == 2
     for p, s in zip(plain, spec):
         assert s["token_ids"] == p["token_ids"] and s["text"] == p["text"]
         assert s["stop"] == p["stop"] and s["stop"] in ("eos", "length")
         assert "rounds" not in p
         hist = s["accept_hist"]
         assert len(hist) == 3 + 2 and sum(hist) == s["rounds"] >= 1 and hist[0] == 0
-        assert s["mean_accept_length"] == pytest.approx(s["new_tokens"] / s["rounds"], abs=1e-3)
-    assert [s["batch_size"] for s in spec] == [2, 2, 1]
+        # Tokens per round; the prefill's token is not a round (a length-capped last round may
+        # emit less than it accepted, so new_tokens - 1 <= sum over rounds).
+        per_round = sum(j * n for j, n in enumerate(hist)) / s["rounds"]
+        assert s["mean_accept_length"] == pytest.approx(per_round, abs=1e-3)
+        assert s["new_tokens"] - 1 <= per_round * s["rounds"]
+    assert [s["batch_size"] for s in spec] == [2, 2]
 
 
 @pytest.mark.slow
@@ -104,8 +108,8 @@ def test_compare_reports_both_speeds(smollm2, smollm2_head_dir, prompts_file, ca
     assert code == 0, err
     summary = out.splitlines()[-1]
     assert summary.startswith("compare: vanilla ") and "speed-up" in summary
-    assert "identical texts 3/3" in summary
-    assert err.count("identical: yes") == 3
+    assert "identical texts 2/2" in summary
+    assert err.count("identical: yes") == 2
 
 
 @pytest.mark.slow
@@ -114,7 +118,7 @@ def test_compare_reports_both_speeds(smollm2, smollm2_head_dir, prompts_file, ca
                          ids=["chain", "tree"])
 def test_library_greedy_equals_plain_on_smollm2(smollm2, tree):
     tok = smollm2.tokenizer
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[1:]]
+    ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     assert len(ids[0]) != len(ids[1])
     batch = pad_prompts(ids, pad_id=tok.pad_token_id)
     head = random_head(smollm2.cfg, 2048, seed=1)
@@ -142,28 +146,6 @@ def test_errors_are_one_clear_line(smollm2, smollm2_head_dir, tmp_path, capsys):
     ]
     for extra, message in cases:
         one_error(*run(smollm2, capsys, "--prompt", "hi", "--json", *extra), message)
-
-
-@pytest.mark.slow
-def test_bench_speed_json(smollm2, smollm2_head_dir, tmp_path, capsys):
-    from eagle3_jax.bench.speed import main as speed_main
-
-    out = tmp_path / "speed.json"
-    code = speed_main(["--tasks", "mt_bench,gsm8k", "--num-prompts", "1", "--max-new-tokens",
-                       "8", "--draft", str(smollm2_head_dir), "--out", str(out), *TREE_ARGS,
-                       "--no-plot"], load_fn=lambda _: smollm2)
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    result = json.loads(out.read_text())
-    assert set(result["tasks"]) == {"mt_bench", "gsm8k"}
-    for task in result["tasks"].values():
-        assert {"tau", "accept_by_depth", "tokens_per_s_vanilla", "tokens_per_s_eagle",
-                "speedup"} <= set(task)
-        assert len(task["accept_by_depth"]) == 3 and task["tau"] >= 1
-        assert task["identical"] is True
-    assert result["tasks"]["mt_bench"]["turns"] == 2
-    assert result["config"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 8}
-    assert "| mt_bench |" in captured.out and out.with_suffix(".md").exists()
 
 
 # ---------------------------------------------------------------------------- tiny target
@@ -227,3 +209,31 @@ def test_full_context_stops_cleanly(tiny, capsys):
     assert prompt + plain["new_tokens"] == TINY.max_position_embeddings + 1
     # EAGLE stops once the next 8-token tree (+ depth + 1 slack) would not fit.
     assert prompt + n - 1 + 8 + 4 > TINY.max_position_embeddings
+
+
+def test_bench_speed_json(tmp_path, capsys):
+    """The speed benchmark's plumbing on a tiny random target (SmolLM2 runs above cover the real
+    model): JSON shape, both modes identical, two MT-bench turns, table and plot written."""
+    from eagle3_jax.bench.speed import main as speed_main
+
+    cfg = TargetConfig(**{**TINY.to_dict(), "max_position_embeddings": 1024})
+    target = types.SimpleNamespace(cfg=cfg, params=init_params(cfg, jax.random.key(3), scale=0.3),
+                                   tokenizer=ByteTokenizer(), source="tiny-random")
+    head = export_draft_head(random_head(cfg, 200, seed=4), tmp_path / "head")
+    out = tmp_path / "speed.json"
+    code = speed_main(["--tasks", "mt_bench,gsm8k", "--num-prompts", "1", "--max-new-tokens",
+                       "8", "--draft", str(head), "--out", str(out), *TREE_ARGS],
+                      load_fn=lambda _: target)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    result = json.loads(out.read_text())
+    assert set(result["tasks"]) == {"mt_bench", "gsm8k"}
+    for task in result["tasks"].values():
+        assert {"tau", "accept_by_depth", "tokens_per_s_vanilla", "tokens_per_s_eagle",
+                "speedup"} <= set(task)
+        assert len(task["accept_by_depth"]) == 3 and task["tau"] >= 1
+        assert task["identical"] is True and task["tokens_per_s_eagle"] > 0
+    assert result["tasks"]["mt_bench"]["turns"] == 2
+    assert result["config"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 8}
+    assert "| mt_bench |" in captured.out
+    assert out.with_suffix(".md").is_file() and out.with_suffix(".png").stat().st_size > 0

@@ -14,7 +14,7 @@ import pytest
 from eagle3_jax.checkpoints import LoadedTarget
 from eagle3_jax.data import DataError, TokenizedRecords, make_dataset
 from eagle3_jax.data.__main__ import main
-from eagle3_jax.data.features import FeatureShards, extract_features, make_feature_dataset
+from eagle3_jax.data.features import FeatureShards, extract_features, make_feature_iterator
 from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.draft.params import VocabMap, init_draft_params
 from eagle3_jax.draft.ttt import ttt_forward
@@ -111,12 +111,13 @@ def test_stored_features_equal_target_forward(stored, target, records, dtype):
             assert np.all(np.abs(have - want) <= tol), (dtype, name, i)
 
 
-def online_and_offline_batches(records, path, max_len=MAX_LEN):
+def online_and_offline_batches(records, path, max_len=MAX_LEN, pack=False):
+    """The same pipeline (make_dataset) over token records and over their stored features."""
     kwargs = dict(batch_size=BATCH, max_len=max_len, seed=0, shuffle=False, num_epochs=1,
-                  shard_index=0, shard_count=1)
+                  shard_index=0, shard_count=1, pack=pack)
     online = list(make_dataset(records, **kwargs))
-    offline = list(make_feature_dataset(path, **kwargs))
-    assert len(online) == len(offline) == 3
+    offline = list(make_dataset(FeatureShards(path), **kwargs))
+    assert len(online) == len(offline) and len(online) == (2 if pack else 3)
     return online, offline
 
 
@@ -128,14 +129,21 @@ def draft_setup(target):
     return draft_cfg, vocab, params
 
 
-def test_features_ttt_batch_equals_online_float32(stored, target, records):
+@pytest.mark.parametrize("pack", [False, True])
+def test_features_ttt_batch_equals_online_float32(stored, target, records, pack):
+    """Padded or packed, the features batch's TTT inputs are the online ones (the packed taps
+    came from one-document forwards, the online ones from a packed forward: equal, as the
+    attention mask keeps documents apart)."""
     draft_cfg, vocab, draft_params = draft_setup(target)
     head = target_head_rows(target.params, target.cfg)
     online_fn = jax.jit(lambda b: target_ttt_batch(target.params, target.cfg, draft_cfg, vocab, b))
     offline_fn = jax.jit(lambda b: features_ttt_batch(head, draft_cfg, vocab, b))
     loss_fn = jax.jit(lambda b: ttt_forward(draft_params, draft_cfg, target.params["embed"], b))
-    online, offline = online_and_offline_batches(records, stored["float32"])
+    online, offline = online_and_offline_batches(records, stored["float32"], pack=pack)
     for on_batch, off_batch in zip(online, offline):
+        assert set(off_batch) == set(on_batch) | {"taps", "hidden"}
+        assert off_batch["taps"].shape == (BATCH, MAX_LEN, 3 * D)
+        assert not off_batch["hidden"][off_batch["segment_ids"] == 0].any()  # zero padding
         for k in on_batch:
             np.testing.assert_array_equal(on_batch[k], off_batch[k])
         on, off = online_fn(on_batch), offline_fn(off_batch)
@@ -194,11 +202,11 @@ def test_resume_by_shard(tmp_path, target, records, stored):
 def test_iterator_state_and_shuffle(stored):
     kwargs = dict(batch_size=2, max_len=MAX_LEN, seed=5, shuffle=True, shard_index=0,
                   shard_count=1)
-    it = iter(make_feature_dataset(stored["bfloat16"], **kwargs))
+    it = make_feature_iterator(stored["bfloat16"], **kwargs)
     next(it), next(it)
     state = it.get_state()
     expected = [next(it) for _ in range(3)]
-    resumed = iter(make_feature_dataset(stored["bfloat16"], **kwargs))
+    resumed = make_feature_iterator(stored["bfloat16"], **kwargs)
     resumed.set_state(json.loads(json.dumps(state)))
     for want in expected:
         got = next(resumed)

@@ -1,4 +1,4 @@
-"""``python -m eagle3_jax.bench speed``: EAGLE-3 acceptance length and speed-up on the paper's tasks.
+"""``python -m eagle3_jax.bench speed``: EAGLE-3 acceptance length and speed-up on the paper tasks.
 
 For each task (MT-bench, HumanEval, GSM8K, Alpaca, CNN/DailyMail as ``sum``; the question files
 in ``eagle3_jax/bench/prompts``) the first ``--num-prompts`` prompts are decoded greedily at
@@ -6,7 +6,7 @@ batch 1 with plain decoding and with EAGLE, the two interleaved per prompt (same
 implementation, same machine, compilation excluded). MT-bench has two turns: turn 2 is asked
 with turn 1 and its answer in context. Reported per task (reference §5, §7):
 
-  * ``tau``: acceptance length, EAGLE new tokens / rounds;
+  * ``tau``: acceptance length, tokens per verification round (accepted drafts + 1);
   * ``accept_by_depth``: fraction of rounds accepting at least d draft tokens, d = 1..depth;
   * ``tokens_per_s_vanilla`` / ``tokens_per_s_eagle``: medians over prompts (and turns) of
     new tokens / seconds; ``speedup``: their ratio;
@@ -87,11 +87,13 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
                             "content": tok.decode(plain.token_ids, skip_special_tokens=True)})
             log(f"  {len(ids)} prompt tokens: vanilla {speeds['vanilla'][-1]:.1f} tok/s, eagle "
                 f"{speeds['eagle'][-1]:.1f} tok/s, {spec.rounds} rounds")
+    from eagle3_jax.decoding.eagle import mean_accept_length
+
     total = max(sum(hist), 1)
     vanilla = statistics.median(speeds["vanilla"])
     eagle = statistics.median(speeds["eagle"])
     return {
-        "tau": tokens / max(rounds, 1),
+        "tau": mean_accept_length(hist),
         # hist[j]: rounds that emitted j tokens = accepted j - 1 drafts.
         "accept_by_depth": [sum(hist[d + 1:]) / total for d in range(1, depth + 1)],
         "tokens_per_s_vanilla": vanilla, "tokens_per_s_eagle": eagle,
@@ -190,7 +192,8 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
         first = target.tokenizer.apply_chat_template(
             [{"role": "user", "content": questions[tasks[0]][0][0]}], add_generation_prompt=True)
         tree = resolve_tree("auto", args.top_k, args.depth, target=target, head=head,
-                            prompt_length=len(first), accept_rates=rates or head_rates)
+                            prompt_length=len(first), accept_rates=rates or head_rates,
+                            rates_source="--accept-rates" if rates else "the head's")
     decoders = {"vanilla": VanillaDecoder(target, GREEDY, args.max_new_tokens, 0),
                 "eagle": EagleDecoder(target, GREEDY, args.max_new_tokens, 0, head=head,
                                       tree=tree)}

@@ -25,6 +25,10 @@ Layout (``out_dir``)::
 A shard is written into a temporary folder and renamed into place, so it is either complete or
 absent: an interrupted run resumes at the first missing shard. Every ``.npy`` is opened
 memory-mapped, so a reader touches only the records it reads.
+
+Reading: :class:`FeatureShards` is a random-access source of records {input_ids, loss_mask,
+taps, hidden}; the training pipeline (``data/pipeline.py``, ``make_dataset``) batches it like
+token records, carrying taps and hidden along (:func:`make_feature_iterator` is a shorthand).
 """
 
 from __future__ import annotations
@@ -48,7 +52,6 @@ MANIFEST = "features.json"
 SHARD_PATTERN = "features-{:05d}"
 FORMAT_VERSION = 1
 STORAGE_DTYPES = ("bfloat16", "float16", "float32")
-FEATURE_BATCH_KEYS = ("tokens", "loss_mask", "segment_ids", "positions", "taps", "hidden")
 _ARRAYS = ("input_ids", "loss_mask", "offsets", "ids", "taps", "hidden")
 
 
@@ -337,9 +340,10 @@ class FeatureShards:
         shard = self._shard(i // self.records_per_shard)
         return str(shard["ids"][i % self.records_per_shard])
 
-    def check_target(self, hidden_size: int, tap_layers: Sequence[int] | None = None) -> None:
+    def check_target(self, hidden_size: int, tap_layers: Sequence[int] | None = None,
+                     vocab_size: int | None = None) -> None:
         """Raise DataError unless these features fit a target of ``hidden_size`` (and a draft
-        tapping ``tap_layers``)."""
+        tapping ``tap_layers``, and a vocabulary of ``vocab_size``)."""
         if hidden_size != self.hidden_size:
             raise DataError(f"features in {self.path} have hidden size {self.hidden_size} (target "
                             f"{self.manifest.get('target')}), but this target/draft has "
@@ -347,83 +351,19 @@ class FeatureShards:
         if tap_layers is not None and tuple(tap_layers) != self.tap_layers:
             raise DataError(f"features in {self.path} tap layers {self.tap_layers}, but the "
                             f"draft taps {tuple(tap_layers)}")
-
-
-def _pad_features(record: Mapping, max_len: int, width: int, dtype: np.dtype) -> dict:
-    n = min(len(record["input_ids"]), max_len)
-    out = _empty_features(max_len, width, dtype)
-    out["tokens"][:n] = record["input_ids"][:n]
-    out["loss_mask"][:n] = record["loss_mask"][:n]
-    out["segment_ids"][:n] = 1
-    out["positions"][:n] = np.arange(n, dtype=np.int32)
-    out["taps"][:n] = record["taps"][:n]
-    out["hidden"][:n] = record["hidden"][:n]
-    return out
-
-
-def _empty_features(max_len: int, width: int, dtype: np.dtype) -> dict:
-    return {"tokens": np.zeros((max_len,), np.int32), "loss_mask": np.zeros((max_len,), bool),
-            "segment_ids": np.zeros((max_len,), np.int32),
-            "positions": np.zeros((max_len,), np.int32),
-            "taps": np.zeros((max_len, 3 * width), dtype),
-            "hidden": np.zeros((max_len, width), dtype)}
-
-
-def _stack_features(rows: Sequence[Mapping], batch_size: int, max_len: int, width: int,
-                    dtype: np.dtype) -> dict:
-    rows = list(rows) + [_empty_features(max_len, width, dtype)] * (batch_size - len(rows))
-    return {k: np.stack([r[k] for r in rows]) for k in FEATURE_BATCH_KEYS}
-
-
-def _non_empty(record: Mapping) -> bool:
-    return len(record["input_ids"]) > 0
-
-
-def make_feature_dataset(
-    features: FeatureShards | str | Path,
-    *,
-    batch_size: int,
-    max_len: int,
-    seed: int,
-    shuffle: bool = True,
-    num_epochs: int | None = None,
-    shard_index: int | None = None,
-    shard_count: int | None = None,
-):
-    """Padded batches of stored features as a ``grain.IterDataset`` (one record per row).
-
-    Every batch: tokens, loss_mask, segment_ids, positions [B, max_len] (as
-    ``data/pipeline.py``), taps [B, max_len, 3D] and hidden [B, max_len, D] in the stored dtype;
-    zeros on padding. Shuffling, epochs, host sharding and iterator state work as in
-    :func:`eagle3_jax.data.make_dataset`.
-    """
-    import grain
-
-    if batch_size < 1 or max_len < 1:
-        raise DataError(f"batch_size ({batch_size}) and max_len ({max_len}) must be positive")
-    if shard_index is None or shard_count is None:
-        import jax
-
-        shard_index, shard_count = jax.process_index(), jax.process_count()
-    source = features if isinstance(features, FeatureShards) else FeatureShards(features)
-    ds = grain.MapDataset.source(source)
-    if shard_count > 1:
-        ds = ds[shard_index::shard_count]
-    if len(ds) == 0:
-        raise DataError(f"no feature records for shard {shard_index} of {shard_count}")
-    if shuffle:
-        ds = ds.shuffle(seed=seed)
-    if num_epochs != 1:
-        ds = ds.repeat(num_epochs)
-    width, dtype = source.hidden_size, source.dtype
-    it = ds.to_iter_dataset().filter(_non_empty)
-    it = it.map(functools.partial(_pad_features, max_len=max_len, width=width, dtype=dtype))
-    return it.batch(batch_size, drop_remainder=False,
-                    batch_fn=functools.partial(_stack_features, batch_size=batch_size,
-                                               max_len=max_len, width=width, dtype=dtype))
+        stored_vocab = self.manifest.get("vocab_size")
+        if vocab_size is not None and stored_vocab is not None and stored_vocab != vocab_size:
+            raise DataError(f"features in {self.path} were made with a vocabulary of "
+                            f"{stored_vocab} (target {self.manifest.get('target')}), but this "
+                            f"target has {vocab_size}: they were made with another target")
 
 
 def make_feature_iterator(features: FeatureShards | str | Path, **kwargs: Any):
-    """A checkpointable iterator (``get_state`` / ``set_state``) over
-    :func:`make_feature_dataset` batches."""
-    return iter(make_feature_dataset(features, **kwargs))
+    """Batches of stored features: :func:`eagle3_jax.data.make_train_iterator` over
+    ``FeatureShards(features)`` (same arguments: global batches with this host's rows, padding
+    or packing, checkpointable state). Each batch adds taps [B, T, 3D] and hidden [B, T, D] in
+    the stored dtype (zeros on padding) to tokens, loss_mask, segment_ids, positions [B, T]."""
+    from eagle3_jax.data.pipeline import make_train_iterator
+
+    source = features if isinstance(features, FeatureShards) else FeatureShards(features)
+    return make_train_iterator(source, **kwargs)

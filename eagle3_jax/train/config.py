@@ -37,8 +37,18 @@ class TrainConfig:
       preset's architecture with random weights, for smoke tests).
     train_data / eval_data: tokenised record files (``eagle3_jax.data``); with no eval_data,
       ``eval_fraction`` of the training records is held out.
+    train_features / eval_features: offline mode. A features folder written by
+      ``python -m eagle3_jax.data features`` (the target's taps and final hidden states per
+      token, ``eagle3_jax.data.features``). When train_features is set the run trains from it
+      instead of running the target: train_data / eval_data are not read, the target is loaded
+      only for its embedding table and output head (the rest is freed), the features must have
+      been made by this target (hidden size, tap layers, vocabulary: checked), and with no
+      eval_features ``eval_fraction`` of the training features is held out. Batching, packing,
+      shuffling and exact resume work as online; from float32 features the losses equal an
+      online run's up to float32 round-off. eval_features needs train_features.
     draft_vocab: a draft-vocabulary file (d2t/t2d); None -> identity when draft_vocab_size
-      equals the target vocabulary, else built from the training records.
+      equals the target vocabulary, else built from the training records (or the training
+      features' input_ids / loss_mask).
     batch_size: global sequences per micro-batch; each optimiser step sees grad_accum of them.
     """
 
@@ -47,6 +57,8 @@ class TrainConfig:
     train_data: str | None = None
     eval_data: str | None = None
     eval_fraction: float = 0.02
+    train_features: str | None = None  # offline mode: a features folder (see above)
+    eval_features: str | None = None
     draft_vocab: str | None = None
     draft_vocab_size: int = 32000
     max_len: int = 2048
@@ -102,6 +114,10 @@ class TrainConfig:
         if not (0 <= opt.b1 < 1 and 0 <= opt.b2 < 1 and 0 <= opt.min_lr_ratio <= 1):
             raise ConfigError(f"train config: optimizer b1, b2 must be in [0, 1) and min_lr_ratio "
                               f"in [0, 1]; got {opt}")
+        if self.eval_features is not None and self.train_features is None:
+            raise ConfigError("train config: eval_features is set but train_features is not; "
+                              "offline training needs both from the same target (or only "
+                              "train_features, holding out eval_fraction)")
         if not self.out_dir:
             raise ConfigError("train config: out_dir must be set")
 

@@ -1,14 +1,29 @@
 """The draft-head training loop: ``train(cfg)`` from config to checkpoints, metrics and a plot.
 
     mesh <- cfg.mesh
+    data <- cfg.train_data / eval_data records  |  cfg.train_features / eval_features (offline)
     frozen target (sharded by cfg.target_sharding rules) <- cfg.target | target_override
     draft vocabulary <- out_dir/draft_vocab.npz (resume) | cfg.draft_vocab | identity | built
     TrainState <- latest checkpoint (with the data iterator position) | fresh, created sharded
-    repeat: host batch [A*B_local, T] -> [A, B, T] global array -> jitted train_step
+    repeat: host batch [A*B_local, T, ...] -> [A, B, T, ...] global array -> jitted train_step
             log every log_every, evaluate every eval_every, checkpoint every save_every
 
+Two modes, one step function (``train/step.py``), one data pipeline (``data/pipeline.py``):
+
+    online   the frozen target's full params run inside every step (TargetInputs);
+    offline  cfg.train_features is a folder from ``python -m eagle3_jax.data features``: the
+             batches carry the stored taps [T, 3D] and hidden states [T, D], and of the target
+             only {"embed", "head_rows"} is kept (offline_frozen; the rest is dropped so its
+             memory is freed). The features must fit the target (FeatureShards.check_target),
+             and the draft vocabulary is built from their input_ids / loss_mask when no file
+             is given. A run is, e.g.::
+
+                 python -m eagle3_jax.data features --data tokens.npz --target T --out feats \
+                     --max-len 512 --dtype float32
+                 python -m eagle3_jax.train --config C.yaml train_features=feats
+
 Resuming restores params, optimiser state, step, RNG and the grain iterator, so a killed run
-continues with exactly the losses an uninterrupted run would have had.
+continues with exactly the losses an uninterrupted run would have had (in either mode).
 
 Run folder (``cfg.out_dir``)::
 
@@ -43,7 +58,7 @@ from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
 from eagle3_jax.train.checkpointing import CheckpointError, TrainCheckpointer, abstract_state
 from eagle3_jax.train.config import TrainConfig
 from eagle3_jax.train.metrics import MetricsWriter, plot_accuracy, read_metrics
-from eagle3_jax.train.step import (TrainState, eval_step,
+from eagle3_jax.train.step import (TargetInputs, TrainState, eval_step,
                                    simulated_accept_length, train_step)
 
 log = logging.getLogger(__name__)
@@ -105,6 +120,28 @@ def _load_records(records: Any, path: str | None):
     return TokenizedRecords.load(path)
 
 
+def _load_features(cfg: TrainConfig) -> tuple[Any, Any]:
+    """(train, eval or None) FeatureShards of an offline run."""
+    from eagle3_jax.data.features import FeatureShards
+
+    train_src = FeatureShards(cfg.train_features)
+    eval_src = FeatureShards(cfg.eval_features) if cfg.eval_features is not None else None
+    for src in (train_src, eval_src):
+        if src is not None and cfg.max_len > int(src.manifest.get("max_len", cfg.max_len)):
+            log.warning("features in %s were cut at %s tokens, shorter than max_len %d",
+                        src.path, src.manifest.get("max_len"), cfg.max_len)
+    return train_src, eval_src
+
+
+def check_features(sources: Sequence[Any], tcfg: TargetConfig,
+                   tap_layers: Sequence[int]) -> None:
+    """Raise DataError unless every FeatureShards in ``sources`` was made by this target with
+    these tap layers (hidden size, taps, vocabulary)."""
+    for src in sources:
+        if src is not None:
+            src.check_target(tcfg.hidden_size, tap_layers, tcfg.vocab_size)
+
+
 class _Slice:
     """records[start:stop] as a random-access source (no copy)."""
 
@@ -121,10 +158,12 @@ class _Slice:
 
 
 def split_records(cfg: TrainConfig, train_records, eval_records):
-    """(train, eval) sources; with no eval set, the last eval_fraction of train is held out."""
+    """(train, eval) sources; with no eval set, the last eval_fraction of train is held out.
+    Works on any random-access source: token records or FeatureShards."""
     if train_records is None:
         raise ConfigError("train config: train_data is not set (a tokenised .npz/.jsonl from "
-                          "`python -m eagle3_jax.data prepare`)")
+                          "`python -m eagle3_jax.data prepare`), nor train_features (a folder "
+                          "from `python -m eagle3_jax.data features`)")
     if eval_records is not None or cfg.eval_fraction == 0 or cfg.eval_batches == 0:
         return train_records, eval_records
     n = len(train_records)
@@ -135,7 +174,10 @@ def split_records(cfg: TrainConfig, train_records, eval_records):
 
 
 def resolve_vocab(cfg: TrainConfig, tcfg: TargetConfig, out_dir: Path, train_records) -> VocabMap:
-    """The run's draft vocabulary; written to ``out_dir/draft_vocab.npz`` so resume reuses it."""
+    """The run's draft vocabulary; written to ``out_dir/draft_vocab.npz`` so resume reuses it.
+
+    ``train_records``: any random-access source of {input_ids, loss_mask} (token records or
+    FeatureShards), read only when the vocabulary is built here."""
     from eagle3_jax.data import build_draft_vocab, load_vocab_map, save_vocab
 
     saved = out_dir / VOCAB_FILE
@@ -193,12 +235,14 @@ def abstract_train_state(draft_cfg: DraftConfig, optimizer: optax.GradientTransf
 
 def _global_batch(host: dict[str, np.ndarray], sharding: NamedSharding, lead: tuple[int, ...],
                   global_rows: int) -> dict[str, jax.Array]:
-    """Host rows [lead..., B_local, T] -> global arrays [lead..., B, T] sharded on the B axis."""
+    """Host rows [lead... x B_local, T, ...] -> global arrays [lead..., B, T, ...] sharded on
+    the B axis (token arrays [.., T] and per-token features [.., T, D] alike; the trailing axes
+    replicate). Dtypes are the pipeline's: int32 / bool tokens, features as stored."""
     out = {}
     for name, value in host.items():
-        value = np.asarray(value, bool if name == "loss_mask" else np.int32)
-        local = value.reshape(*lead, -1, value.shape[-1])
-        shape = (*lead, global_rows, value.shape[-1])
+        value = np.asarray(value)
+        local = value.reshape(*lead, -1, *value.shape[1:])
+        shape = (*lead, global_rows, *value.shape[1:])
         out[name] = jax.make_array_from_process_local_data(sharding, local, shape)
     return out
 
@@ -207,6 +251,7 @@ def _run_metadata(cfg: TrainConfig, tcfg: TargetConfig, draft_cfg: DraftConfig,
                   source: str, identity_vocab: bool) -> dict[str, Any]:
     return {"train_config": cfg.to_dict(), "draft_config": draft_cfg.to_dict(),
             "target_config": tcfg.to_dict(), "target_source": source,
+            "mode": "offline" if cfg.train_features is not None else "online",
             "draft_vocab_file": None if identity_vocab else VOCAB_FILE}
 
 
@@ -230,7 +275,7 @@ def train(
         the job were pre-empted; None runs to ``cfg.total_steps``.
       target_override: an in-memory target instead of ``cfg.target``.
       train_records / eval_records: random-access sequences of {input_ids, loss_mask} instead of
-        ``cfg.train_data`` / ``cfg.eval_data``.
+        ``cfg.train_data`` / ``cfg.eval_data`` (online mode only).
     Returns:
       summary dict: start_step, end_step, losses (one per step run here), last train metrics,
       last eval metrics (with accept_length), out_dir, checkpoint steps, elapsed seconds.
@@ -247,13 +292,39 @@ def train(
                           f"{jax.process_count()}")
 
     # Data first: a missing file should fail before minutes of weight loading.
-    train_records = _load_records(train_records, cfg.train_data)
-    eval_records = _load_records(eval_records, cfg.eval_data)
+    offline = cfg.train_features is not None
+    if offline:
+        if train_records is not None or eval_records is not None:
+            raise ConfigError("train_records / eval_records are for online training; an "
+                              "offline run reads cfg.train_features / eval_features")
+        if cfg.train_data is not None or cfg.eval_data is not None:
+            log.info("offline training from %s: train_data / eval_data are not read",
+                     cfg.train_features)
+        features = _load_features(cfg)
+        train_records, eval_records = features
+    else:
+        train_records = _load_records(train_records, cfg.train_data)
+        eval_records = _load_records(eval_records, cfg.eval_data)
     train_records, eval_records = split_records(cfg, train_records, eval_records)
     tcfg, target_params, source = load_frozen_target(cfg, mesh, target_override)
+    if offline:
+        # DraftConfig.for_target taps the target's eagle3_tap_layers (asserted below); checked
+        # before the vocabulary is counted from the features.
+        check_features(features, tcfg, tcfg.eagle3_tap_layers)
     vocab = resolve_vocab(cfg, tcfg, out_dir, train_records)
     draft_cfg = DraftConfig.for_target(tcfg, draft_vocab_size=int(vocab.d2t.shape[0]),
                                        ttt_steps=cfg.ttt_steps, dtype=cfg.dtype)
+    if offline:
+        from eagle3_jax.train.offline import FeatureInputs, offline_frozen
+
+        assert draft_cfg.tap_layers == tuple(tcfg.eagle3_tap_layers)
+        # Only the embedding table and output head; dropping the rest frees the target.
+        frozen = offline_frozen(target_params, tcfg)
+        make_inputs = FeatureInputs(draft_cfg)
+    else:
+        frozen = target_params
+        make_inputs = TargetInputs(tcfg, draft_cfg)
+    del target_params
     optimizer = cfg.optimizer.build()
     metadata = _run_metadata(cfg, tcfg, draft_cfg, source,
                              draft_cfg.draft_vocab_size == tcfg.vocab_size)
@@ -261,9 +332,10 @@ def train(
     replicated = NamedSharding(mesh, P())
     vocab = jax.device_put(vocab, replicated)
     shapes, state_sh = abstract_train_state(draft_cfg, optimizer, mesh)
-    target_sh = jax.tree.map(lambda x: x.sharding, target_params)
-    batch_sh = NamedSharding(mesh, P(None, BATCH_AXES, None))  # [A, B, T]
-    eval_batch_sh = NamedSharding(mesh, P(BATCH_AXES, None))  # [B, T]
+    frozen_sh = jax.tree.map(lambda x: x.sharding, frozen)
+    # Every batch array on its batch axis: tokens [A, B, T] and taps / hidden [A, B, T, D].
+    batch_sh = NamedSharding(mesh, P(None, BATCH_AXES, None))
+    eval_batch_sh = NamedSharding(mesh, P(BATCH_AXES, None))  # [B, T(, D)]
 
     data_iter = make_train_iterator(
         train_records, batch_size=cfg.batch_size * cfg.grad_accum, max_len=cfg.max_len,
@@ -291,13 +363,13 @@ def train(
     (out_dir / "train_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
     step_fn = jax.jit(
-        functools.partial(train_step, target_cfg=tcfg, draft_cfg=draft_cfg, optimizer=optimizer,
-                          compute_dtype=cfg.compute_dtype),
-        in_shardings=(state_sh, target_sh, replicated, batch_sh),
+        functools.partial(train_step, make_inputs=make_inputs, draft_cfg=draft_cfg,
+                          optimizer=optimizer, compute_dtype=cfg.compute_dtype),
+        in_shardings=(state_sh, frozen_sh, replicated, batch_sh),
         out_shardings=(state_sh, replicated), donate_argnums=(0,))
     eval_fn = jax.jit(
-        functools.partial(eval_step, target_cfg=tcfg, draft_cfg=draft_cfg),
-        in_shardings=(state_sh.params, target_sh, replicated, eval_batch_sh),
+        functools.partial(eval_step, make_inputs=make_inputs, draft_cfg=draft_cfg),
+        in_shardings=(state_sh.params, frozen_sh, replicated, eval_batch_sh),
         out_shardings=replicated)
 
     def evaluate(params) -> dict[str, Any] | None:
@@ -309,7 +381,7 @@ def train(
                                  shard_count=jax.process_count())
         sums = None
         for _, host in zip(range(cfg.eval_batches), it):
-            m = jax.device_get(eval_fn(params, target_params, vocab,
+            m = jax.device_get(eval_fn(params, frozen, vocab,
                                        _global_batch(host, eval_batch_sh, (), cfg.batch_size)))
             w = m["weight_per_step"]
             part = {"loss": m["loss_per_step"] * w, "acc": m["acc_per_step"] * w, "w": w}
@@ -347,7 +419,7 @@ def train(
                               "forever (num_epochs=None)") from None
         tokens_since += int(np.count_nonzero(host["segment_ids"]))
         batch = _global_batch(host, batch_sh, (cfg.grad_accum,), cfg.batch_size)
-        state, metrics = step_fn(state, target_params, vocab, batch)
+        state, metrics = step_fn(state, frozen, vocab, batch)
         losses.append(metrics["loss"])
         done = step + 1
 

@@ -8,16 +8,21 @@ rows for the restricted log-softmax, and against all rows (in chunks) for the ar
 :func:`~eagle3_jax.train.step.target_ttt_batch`: exactly, up to float32 round-off, from
 float32 features; within the storage rounding from bfloat16/float16 ones.
 
-Reading the stored features as padded batches: :func:`eagle3_jax.data.features.
-make_feature_iterator` (re-exported here).
+In the training loop (offline mode, ``TrainConfig.train_features``) the step's frozen inputs
+are :func:`offline_frozen` ``{"embed", "head_rows"}`` and its ``make_inputs`` is
+:class:`FeatureInputs`; the batches come from the same grain pipeline as token records
+(:func:`eagle3_jax.data.make_dataset` over a :class:`FeatureShards`, which carries taps and
+hidden along; :func:`eagle3_jax.data.features.make_feature_iterator` is a shorthand).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax.data.features import FeatureShards, make_feature_dataset, make_feature_iterator
+from eagle3_jax.data.features import FeatureShards, make_feature_iterator
 from eagle3_jax.data.sources import DataError
 from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.draft.params import VocabMap
@@ -26,8 +31,8 @@ from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import Params
 from eagle3_jax.train.step import _head_columns, labels_from_hidden
 
-__all__ = ["FeatureError", "FeatureShards", "features_ttt_batch",
-           "make_feature_dataset", "make_feature_iterator", "target_head_rows"]
+__all__ = ["FeatureError", "FeatureInputs", "FeatureShards", "features_ttt_batch",
+           "make_feature_iterator", "offline_frozen", "target_head_rows"]
 
 
 class FeatureError(DataError):
@@ -38,6 +43,13 @@ def target_head_rows(target_params: Params, target_cfg: TargetConfig) -> jax.Arr
     """The target's output head as [V, D] rows: all offline training needs of the target besides
     the (frozen) embedding table the draft reads its input tokens from."""
     return _head_columns(target_params, target_cfg)
+
+
+def offline_frozen(target_params: Params, target_cfg: TargetConfig) -> Params:
+    """``{"embed" [V, D], "head_rows" [V, D]}``: the frozen target arrays offline training keeps
+    (the same array twice for a tied head). Drop ``target_params`` afterwards to free the rest."""
+    return {"embed": target_params["embed"],
+            "head_rows": target_head_rows(target_params, target_cfg)}
 
 
 def features_ttt_batch(head_rows: jax.Array, draft_cfg: DraftConfig, vocab: VocabMap,
@@ -73,3 +85,15 @@ def features_ttt_batch(head_rows: jax.Array, draft_cfg: DraftConfig, vocab: Voca
         target_in_draft=in_draft, loss_mask=jnp.asarray(batch["loss_mask"]).astype(bool),
         segment_ids=batch["segment_ids"], positions=batch["positions"],
     ))
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureInputs:
+    """``make_inputs`` of offline training (``train/step.py``): ``frozen`` is
+    :func:`offline_frozen`'s dict and each batch holds the stored taps and hidden states.
+    Hashable, so it can be a static jit argument."""
+
+    draft_cfg: DraftConfig
+
+    def __call__(self, frozen: Params, vocab: VocabMap, batch: dict[str, jax.Array]) -> TTTBatch:
+        return features_ttt_batch(frozen["head_rows"], self.draft_cfg, vocab, batch)

@@ -1,16 +1,26 @@
-"""The jitted training step: frozen target -> TTT batch -> draft loss -> AdamW update.
+"""The jitted training step: frozen inputs -> TTT batch -> draft loss -> AdamW update.
 
-Online training runs the target inside the same jitted step (no gradient): it yields the three
-taps and, per position, the target's log-probabilities restricted to the draft vocabulary and
-whether its full-vocabulary argmax lies in the draft vocabulary. Full-vocabulary float32 logits
-for a whole batch are never materialised: the restricted logits use only the Vd head columns,
-and the argmax runs over vocabulary chunks.
+One step function serves online and offline training. It takes ``frozen``, a pytree of frozen
+target arrays that holds at least ``"embed"`` (the draft reads its input tokens from the
+target's embedding table), and a static ``make_inputs(frozen, vocab, micro_batch) -> TTTBatch``:
+
+    online   frozen = the target's full params, make_inputs = TargetInputs: runs the target
+             inside the jitted step (no gradient) for the taps and labels;
+    offline  frozen = {"embed", "head_rows"}, make_inputs = train.offline.FeatureInputs: the
+             batch already holds the stored taps and final hidden states, the labels need
+             only the output head.
+
+Either way the labels are, per position, the target's log-probabilities restricted to the draft
+vocabulary and whether its full-vocabulary argmax lies in the draft vocabulary
+(:func:`labels_from_hidden`). Full-vocabulary float32 logits for a whole batch are never
+materialised: the restricted logits use only the Vd head columns, and the argmax runs over
+vocabulary chunks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +120,22 @@ def target_ttt_batch(target_params: Params, target_cfg: TargetConfig, draft_cfg:
     ))
 
 
+# (frozen, vocab, micro-batch [B, T]) -> TTTBatch: how a step turns a data batch into TTT inputs.
+MakeInputs = Callable[[Params, VocabMap, dict[str, jax.Array]], TTTBatch]
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetInputs:
+    """``make_inputs`` of online training: ``frozen`` is the target's full params, which are run
+    on the batch (:func:`target_ttt_batch`). Hashable, so it can be a static jit argument."""
+
+    target_cfg: TargetConfig
+    draft_cfg: DraftConfig
+
+    def __call__(self, frozen: Params, vocab: VocabMap, batch: dict[str, jax.Array]) -> TTTBatch:
+        return target_ttt_batch(frozen, self.target_cfg, self.draft_cfg, vocab, batch)
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW with linear warm-up and cosine decay; clip by global norm (reference §4)."""
@@ -153,20 +179,23 @@ class TrainState:
                    opt_state=optimizer.init(params), rng=rng)
 
 
-def train_step(state: TrainState, target_params: Params, vocab: VocabMap,
-               batch: dict[str, jax.Array], *, target_cfg: TargetConfig,
+def train_step(state: TrainState, frozen: Params, vocab: VocabMap,
+               batch: dict[str, jax.Array], *, make_inputs: MakeInputs,
                draft_cfg: DraftConfig, optimizer: optax.GradientTransformation,
                compute_dtype: str | None = None):
-    """One optimiser step over ``batch`` of shape [A, B, T] (A micro-batches accumulated).
+    """One optimiser step over ``batch`` of shape [A, B, T, ...] (A micro-batches accumulated).
 
+    Args:
+      frozen: frozen target arrays holding ``"embed"``, read by ``make_inputs`` (module doc).
+      make_inputs: static; builds each micro-batch's TTTBatch (TargetInputs / FeatureInputs).
     Returns (new_state, metrics) with the weighted loss and per-step loss / accuracy averaged
     over micro-batches.
     """
     dtype = jnp.dtype(compute_dtype or draft_cfg.dtype)
-    embed = target_params["embed"]
+    embed = frozen["embed"]
 
     def micro_loss(params, micro):
-        ttt = target_ttt_batch(target_params, target_cfg, draft_cfg, vocab, micro)
+        ttt = make_inputs(frozen, vocab, micro)
         cast = jax.tree.map(lambda x: x.astype(dtype), params)
         return ttt_forward(cast, draft_cfg, embed, ttt)
 
@@ -196,11 +225,11 @@ def train_step(state: TrainState, target_params: Params, vocab: VocabMap,
     return new_state, metrics
 
 
-def eval_step(params: Params, target_params: Params, vocab: VocabMap, batch: dict[str, jax.Array],
-              *, target_cfg: TargetConfig, draft_cfg: DraftConfig):
-    """Held-out loss and per-step accuracy on one [B, T] batch (no update)."""
-    ttt = target_ttt_batch(target_params, target_cfg, draft_cfg, vocab, batch)
-    loss, metrics = ttt_forward(params, draft_cfg, target_params["embed"], ttt)
+def eval_step(params: Params, frozen: Params, vocab: VocabMap, batch: dict[str, jax.Array],
+              *, make_inputs: MakeInputs, draft_cfg: DraftConfig):
+    """Held-out loss and per-step accuracy on one [B, T, ...] batch (no update)."""
+    ttt = make_inputs(frozen, vocab, batch)
+    loss, metrics = ttt_forward(params, draft_cfg, frozen["embed"], ttt)
     metrics["loss"] = loss
     return metrics
 
