@@ -1,6 +1,6 @@
 """``python -m eagle3_jax.data <command>``: build draft-head training data.
 
-  prepare  --source sharegpt|PATH --out DIR [--limit N] [--exclude-bench DIR]
+  prepare  --source sharegpt|PATH --out DIR [--limit N] [--exclude-bench DIR|none]
            [--strip-leading-assistant]
            read conversations, normalise them, write DIR/conversations.jsonl (+ prepare_stats.json)
   vocab    --data DIR|FILE --target PRESET_OR_PATH --draft-vocab-size N --out FILE.npz
@@ -26,11 +26,15 @@ from pathlib import Path
 from eagle3_jax.data.sources import CONVERSATIONS_FILE, DataError
 
 
+# The evaluation prompts shipped with the benchmarks; `prepare` drops them by default.
+BENCH_PROMPTS = Path(__file__).resolve().parents[1] / "bench" / "prompts"
+
 def cmd_prepare(args: argparse.Namespace) -> None:
     from eagle3_jax.data.sources import (load_benchmark_prompts, prepare_conversations,
                                          write_jsonl)
 
-    excluded = load_benchmark_prompts(args.exclude_bench) if args.exclude_bench else set()
+    bench = args.exclude_bench if args.exclude_bench not in (None, "", "none") else None
+    excluded = load_benchmark_prompts(bench) if bench else set()
     convs, stats = prepare_conversations(args.source, limit=args.limit, exclude_prompts=excluded,
                                          strip_leading_assistant=args.strip_leading_assistant,
                                          progress=True)
@@ -74,9 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", required=True, help="'sharegpt' or a .jsonl/.json/.parquet path")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--limit", type=int, default=None, help="read at most N raw records")
-    p.add_argument("--exclude-bench", default=None, metavar="DIR",
+    p.add_argument("--exclude-bench", default=str(BENCH_PROMPTS), metavar="DIR",
                    help="drop conversations whose first user turn is a prompt of a "
-                        "DIR/**/question.jsonl benchmark file")
+                        "DIR/**/question.jsonl benchmark file (default: the five evaluation "
+                        "sets shipped in eagle3_jax/bench/prompts: never train on them); "
+                        "'none' keeps everything")
     p.add_argument("--strip-leading-assistant", action="store_true",
                    help="drop assistant messages before the first user message (as the EAGLE "
                         "reference does) instead of dropping the conversation")
