@@ -397,6 +397,39 @@ def test_grain_state_restore_is_exact(pack):
     assert _same(_take(resumed, 15), expected)
 
 
+@pytest.mark.parametrize("pack", [False, True])
+def test_grain_carries_per_token_features(pack):
+    """Extra per-token arrays of a record (as FeatureShards' taps / hidden) are truncated, padded
+    with zeros, packed and host-sharded with their tokens, in their own dtype."""
+    import ml_dtypes
+
+    recs = _records(n=23)
+    rows = []
+    for i in range(len(recs)):
+        tokens = recs[i]["input_ids"]
+        feat = np.stack([tokens, np.arange(len(tokens))], -1).astype(ml_dtypes.bfloat16)
+        rows.append({**recs[i], "feat": feat, "scalar": np.float32(i)})  # scalar: not per-token
+    kw = dict(batch_size=4, max_len=8, seed=2, pack=pack, num_epochs=1)
+    batches = list(make_train_iterator(rows, shard_index=0, shard_count=1, **kw))
+    for b in batches:
+        assert set(b) == {"tokens", "loss_mask", "segment_ids", "positions", "feat"}
+        assert b["feat"].shape == (4, 8, 2) and b["feat"].dtype == ml_dtypes.bfloat16
+        feat = b["feat"].astype(np.float32)
+        real = b["segment_ids"] > 0
+        # The stored ids went through bfloat16 rounding: compare after the same rounding.
+        np.testing.assert_array_equal(feat[..., 0][real],
+                                      b["tokens"][real].astype(ml_dtypes.bfloat16).astype(float))
+        np.testing.assert_array_equal(feat[..., 1][real], b["positions"][real])
+        assert not feat[~real].any()
+    assert _docs(batches) and sorted(_docs(batches)) == list(range(23))
+    # Host sharding keeps each row's features with its tokens.
+    halves = [list(make_train_iterator(rows, shard_index=i, shard_count=2, **kw)) for i in (0, 1)]
+    for whole, a, c in zip(batches, *halves):
+        for k in whole:
+            np.testing.assert_array_equal(a[k], whole[k][0::2])
+            np.testing.assert_array_equal(c[k], whole[k][1::2])
+
+
 # -- CLI end to end -----------------------------------------------------------------------------
 
 def test_cli_prepare_and_vocab(tmp_path, smollm2_gguf_path, smollm2_tokenizer, capsys):

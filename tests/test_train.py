@@ -1,6 +1,8 @@
 """The training loop on a tiny random target: it learns, it resumes exactly, it keeps N
-checkpoints, it writes metrics and a plot; bad configs and broken checkpoints fail clearly."""
+checkpoints, it writes metrics and a plot; offline training from stored float32 features gives
+the online losses and resumes exactly; bad configs, features and checkpoints fail clearly."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -11,7 +13,9 @@ import numpy as np
 import optax
 import pytest
 
-from eagle3_jax.data import make_train_iterator
+from eagle3_jax.checkpoints import LoadedTarget
+from eagle3_jax.data import DataError, TokenizedRecords, make_train_iterator
+from eagle3_jax.data.features import extract_features
 from eagle3_jax.model.config import ConfigError, TargetConfig
 from eagle3_jax.model.params import init_params
 from eagle3_jax.train.checkpointing import CheckpointError, TrainCheckpointer, abstract_state
@@ -127,6 +131,63 @@ def test_kill_and_resume_gives_identical_losses(tmp_path, full_run, target, reco
     # The metrics log was rewound to step 10 and continued: one record per step.
     steps = [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
     assert steps == list(range(1, STEPS + 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline training from stored features.
+
+OFFLINE_STEPS = 8
+
+
+def store_features(target, records, out_dir, dtype="float32"):
+    tokens = TokenizedRecords.from_arrays([(r["input_ids"], r["loss_mask"]) for r in records])
+    loaded = LoadedTarget(target.cfg, target.params, None, "tiny")
+    extract_features(tokens, loaded, out_dir, max_len=32, batch_size=16, dtype=dtype,
+                     records_per_shard=32)
+    return str(out_dir)
+
+
+@pytest.fixture(scope="module")
+def offline_run(tmp_path_factory, target, records):
+    """The run of ``full_run`` (same records, held-out split, seed and schedule), but from
+    float32 features: stopped after OFFLINE_STEPS steps."""
+    features = store_features(target, records, tmp_path_factory.mktemp("features"))
+    cfg = run_config(tmp_path_factory.mktemp("offline"), train_features=features,
+                     keep_checkpoints=5, save_every=4)
+    return cfg, train(cfg, max_steps=OFFLINE_STEPS, target_override=target)
+
+
+def test_offline_losses_equal_online(offline_run, full_run):
+    _, summary = offline_run
+    assert summary["end_step"] == OFFLINE_STEPS and summary["eval"] is not None
+    # Same batches, same labels up to float32 round-off of the target's forward, same update.
+    np.testing.assert_allclose(summary["losses"], full_run["losses"][:OFFLINE_STEPS],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_offline_kill_and_resume_is_exact(tmp_path, offline_run, target):
+    cfg, first = offline_run
+    out = tmp_path / "run"
+    shutil.copytree(cfg.out_dir, out)
+    shutil.rmtree(out / "checkpoints" / str(OFFLINE_STEPS))  # killed before the last save
+    resumed = train(cfg.replace(out_dir=str(out)), max_steps=OFFLINE_STEPS,
+                    target_override=target)
+    assert resumed["start_step"] == OFFLINE_STEPS - 4
+    np.testing.assert_array_equal(resumed["losses"], first["losses"][-4:])  # bitwise
+
+
+def test_offline_refuses_features_of_another_target(tmp_path, target, records):
+    other = tiny_target()
+    cfg48 = dataclasses.replace(other.cfg, hidden_size=48)
+    other = TargetOverride(cfg48, init_params(cfg48, jax.random.key(3), scale=0.3))
+    features = store_features(other, records[:4], tmp_path / "features48")
+    with pytest.raises(DataError, match="hidden size 48.*has 32.*another target"):
+        train(run_config(tmp_path / "run", train_features=features), target_override=target)
+    with pytest.raises(ConfigError, match="for online training"):
+        train(run_config(tmp_path / "run", train_features=features), target_override=target,
+              train_records=records)
+    with pytest.raises(ConfigError, match="eval_features is set but train_features is not"):
+        run_config(tmp_path / "run", eval_features=features)
 
 
 # ---------------------------------------------------------------------------------------------

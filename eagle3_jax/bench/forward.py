@@ -99,6 +99,23 @@ def greedy_speed(loaded, hf_model, max_new_tokens: int, repeats: int):
     return statistics.median(ours_tps), statistics.median(hf_tps), all(same)
 
 
+def load_hf_reference(source: str):
+    """The same checkpoint in HF transformers (torch, float32): a GGUF file or an HF folder."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(source)
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                     local_files_only=True)
+    return model.eval()
+
+
 def plot_curve(path: str, curve_ms: dict[int, float], floor_ms: float) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -152,13 +169,7 @@ def main(argv=None) -> int:
         "decode_step_over_floor": curve[1] / floor,
     }
     if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
-        import torch
-        gguf = loaded.source
-        from pathlib import Path
-        hf = AutoModelForCausalLM.from_pretrained(str(Path(gguf).parent),
-                                                  gguf_file=Path(gguf).name,
-                                                  dtype=torch.float32).eval()
+        hf = load_hf_reference(loaded.source)
         ours, theirs, same = greedy_speed(loaded, hf, args.max_new_tokens, args.speed_repeats)
         print(f"\ngreedy batch 1, {args.max_new_tokens} new tokens, median of "
               f"{args.speed_repeats}x{len(PROMPTS)}: eagle3_jax {ours:.1f} tok/s, HF transformers "
