@@ -1,0 +1,97 @@
+"""``python -m eagle3_jax.bench train``: tokens/s and memory of one draft-head training step.
+
+The step is the real one (``eagle3_jax.train.step.train_step``, online: the frozen target runs
+inside it), on random tokens of the preset's shapes. Reported: median seconds per optimiser step
+and tokens/s (interleaved with the target-only forward that online training pays for, so the
+head's own share is visible), XLA's compiled memory estimate for the step (arguments, outputs,
+temporaries) and the process's peak resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import resource
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3_jax.bench.common import (interleaved_medians, machine_description, markdown_table,
+                                     write_json)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle3_jax.bench train",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=None, help="preset, HF folder or .gguf (default model)")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--ttt-steps", type=int, default=7)
+    parser.add_argument("--draft-vocab-size", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="docs/bench_train.json")
+    args = parser.parse_args(argv)
+
+    from eagle3_jax.checkpoints import load_target
+    from eagle3_jax.draft import DraftConfig, VocabMap, init_draft_params
+    from eagle3_jax.train.step import (OptimizerConfig, TargetInputs, TrainState,
+                                       target_ttt_batch, train_step)
+
+    loaded = load_target(args.target)
+    tcfg, params = loaded.cfg, loaded.params
+    dcfg = DraftConfig.for_target(tcfg, draft_vocab_size=args.draft_vocab_size,
+                                  ttt_steps=args.ttt_steps)
+    # Which ids form the draft vocabulary does not change the cost.
+    vocab = VocabMap.from_used_ids(np.arange(dcfg.draft_vocab_size), tcfg.vocab_size)
+    optimizer = OptimizerConfig().build()
+    state = TrainState.create(init_draft_params(dcfg, jax.random.key(0)), optimizer,
+                              jax.random.key(1))
+    a, b, t = args.grad_accum, args.batch_size, args.max_len
+    tokens = jax.random.randint(jax.random.key(2), (a, b, t), 0, tcfg.vocab_size)
+    batch = {"tokens": tokens, "loss_mask": jnp.ones((a, b, t), bool),
+             "segment_ids": jnp.ones((a, b, t), jnp.int32),
+             "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (a, b, t))}
+
+    step = jax.jit(functools.partial(train_step, make_inputs=TargetInputs(tcfg, dcfg),
+                                     draft_cfg=dcfg, optimizer=optimizer), donate_argnums=(0,))
+    compiled = step.lower(state, params, vocab, batch).compile()
+    memory = compiled.memory_analysis()
+    target_only = jax.jit(lambda p, v, x: target_ttt_batch(p, tcfg, dcfg, v, x))
+    micro = jax.tree.map(lambda x: x[0], batch)
+
+    holder = {"state": state}
+
+    def run_step():
+        holder["state"], metrics = compiled(holder["state"], params, vocab, batch)
+        return metrics
+
+    seconds = interleaved_medians({"step": run_step,
+                                   "target": lambda: target_only(params, vocab, micro)},
+                                  args.repeats, warmup=1)
+    tokens_per_step = a * b * t
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    mib = lambda n: n / 2**20  # noqa: E731
+    xla = {"argument_mib": mib(memory.argument_size_in_bytes),
+           "output_mib": mib(memory.output_size_in_bytes),
+           "temp_mib": mib(memory.temp_size_in_bytes)} if memory is not None else {}
+    rows = [("optimiser step (target inside)", seconds["step"], tokens_per_step / seconds["step"]),
+            ("target forward + labels only", seconds["target"] * a,
+             tokens_per_step / (seconds["target"] * a))]
+    print(markdown_table(["", "s / step", "tokens/s"], rows))
+    print(f"\n{a}x{b}x{t} tokens per step, {args.ttt_steps} TTT steps, draft vocab "
+          f"{args.draft_vocab_size}; XLA memory estimate "
+          + ", ".join(f"{k} {v:.0f} MiB" for k, v in xla.items())
+          + f"; peak RSS {mib(peak_rss):.0f} MiB")
+    write_json(args.out, {
+        "machine": machine_description(), "target": loaded.source,
+        "shape": {"grad_accum": a, "batch_size": b, "max_len": t, "ttt_steps": args.ttt_steps,
+                  "draft_vocab_size": args.draft_vocab_size},
+        "seconds_per_step": seconds["step"], "tokens_per_s": tokens_per_step / seconds["step"],
+        "target_seconds_per_step": seconds["target"] * a,
+        "xla_memory": xla, "peak_rss_mib": mib(peak_rss),
+    })
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
