@@ -228,15 +228,10 @@ class EagleDecoder(VanillaDecoder):
         self._eagle = eagle
         self.head, self.tree = head, tree or eagle.TreeConfig()
 
-    def _max_len(self, width: int) -> int:
-        from eagle3_jax.decoding import bucket
-
-        cfg, tree = self.target.cfg, self.tree
-        need = width + self.max_new_tokens + tree.total_tokens + tree.depth + 2
-        return min(bucket(need), cfg.max_position_embeddings)
-
     def _eagle_settings(self, width: int) -> dict:
-        return dict(self._settings(), tree=self.tree, max_len=self._max_len(width))
+        max_len = self._eagle.eagle_cache_size(self.target.cfg, width, self.max_new_tokens,
+                                               self.tree)
+        return dict(self._settings(), tree=self.tree, max_len=max_len)
 
     def _compiled(self, batch) -> Callable:
         shape = batch.tokens.shape

@@ -229,14 +229,18 @@ def mean_accept_length(accept_hist) -> float:
 
 def eagle_cache_size(cfg: TargetConfig, prompt_width: int, max_new_tokens: int,
                      tree_cfg: TreeConfig) -> int:
-    """Target KV slots: prompt + new tokens + one tree + one round of slack, bucketed."""
-    need = prompt_width + max_new_tokens + tree_cfg.total_tokens + tree_cfg.depth + 2
-    if need > cfg.max_position_embeddings:
+    """Target KV slots: prompt + new tokens + one tree + one round of slack, bucketed and capped
+    at the model context (as plain decoding does: a row that fills the context stops there).
+
+    Raises ValueError when not even the prompt and one tree fit the context.
+    """
+    tree_room = tree_cfg.total_tokens + tree_cfg.depth + 2
+    context = cfg.max_position_embeddings
+    if prompt_width + tree_room > context:
         raise ValueError(
-            f"prompt ({prompt_width} tokens) + max_new_tokens ({max_new_tokens}) + one draft "
-            f"tree ({tree_cfg.total_tokens + tree_cfg.depth + 2}) exceeds the model context of "
-            f"{cfg.max_position_embeddings} tokens; shorten the prompt or lower max_new_tokens")
-    return min(bucket(need), cfg.max_position_embeddings)
+            f"prompt of {prompt_width} tokens + one draft tree ({tree_room} slots) exceeds the "
+            f"model context of {context} tokens; shorten the prompt or use a smaller tree")
+    return min(bucket(prompt_width + max_new_tokens + tree_room), context)
 
 
 def generate_eagle(
