@@ -137,7 +137,7 @@ def test_exported_file_matches_torch_reference(tmp_path):
 
     # Ours: fc then one cached draft step over an empty cache of t slots.
     g = fuse_taps(head.params, jnp.asarray(taps)[None])
-    cache = jnp.zeros((1, t, head.cfg.num_kv_heads, head.cfg.head_dim))
+    cache = jnp.zeros((1, head.cfg.num_kv_heads, t, head.cfg.head_dim))  # [B, K, S, H]
     mask = jnp.tril(jnp.ones((t, t), bool))[None]
     hid, logits, _, _ = draft_step_cached(head.params, head.cfg, jnp.asarray(embeds)[None], g,
                                           jnp.asarray(positions)[None], mask, cache, cache,
