@@ -99,14 +99,11 @@ def greedy_speed(loaded, hf_model, max_new_tokens: int, repeats: int):
     return statistics.median(ours_tps), statistics.median(hf_tps), all(same)
 
 
-def load_hf_reference(source: str):
+def load_hf_reference(path):
     """The same checkpoint in HF transformers (torch, float32): a GGUF file or an HF folder."""
-    from pathlib import Path
-
     import torch
     from transformers import AutoModelForCausalLM
 
-    path = Path(source)
     if path.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                      dtype=torch.float32)
@@ -169,7 +166,7 @@ def main(argv=None) -> int:
         "decode_step_over_floor": curve[1] / floor,
     }
     if not args.skip_hf:
-        hf = load_hf_reference(loaded.source)
+        hf = load_hf_reference(loaded.weights)
         ours, theirs, same = greedy_speed(loaded, hf, args.max_new_tokens, args.speed_repeats)
         print(f"\ngreedy batch 1, {args.max_new_tokens} new tokens, median of "
               f"{args.speed_repeats}x{len(PROMPTS)}: eagle3_jax {ours:.1f} tok/s, HF transformers "

@@ -26,13 +26,15 @@ _ACCEPTED = ("a preset name ({presets}), an HF checkpoint folder (config.json + 
 
 @dataclasses.dataclass(frozen=True)
 class LoadedTarget:
-    """A target ready to run: config, sharded params, tokenizer, where they came from, mesh."""
+    """A target ready to run: config, sharded params, tokenizer, a description of where they
+    came from, the mesh, and the weights file or folder that was read."""
 
     cfg: TargetConfig
     params: Params
     tokenizer: ChatTokenizer
     source: str
     mesh: Mesh | None = None
+    weights: Path | None = None
 
 
 def load_target(
@@ -61,10 +63,11 @@ def load_target(
 
     if path.is_dir():
         cfg, params = load_safetensors(path, mesh, mode=mode, dtype=dtype)
-        return LoadedTarget(cfg, params, ChatTokenizer.from_hf_folder(path), str(path), mesh)
+        return LoadedTarget(cfg, params, ChatTokenizer.from_hf_folder(path), str(path), mesh,
+                            path)
     if path.is_file() and _is_gguf(path):
         cfg, params = load_gguf(path, mesh, mode=mode, dtype=dtype)
-        return LoadedTarget(cfg, params, ChatTokenizer.from_gguf(path), str(path), mesh)
+        return LoadedTarget(cfg, params, ChatTokenizer.from_gguf(path), str(path), mesh, path)
     if path.is_file() and path.suffix in (".yaml", ".yml"):
         return _load_preset(load_preset(path), mesh, mode, dtype)
     if not path.exists() and str(target) in list_presets():
@@ -88,7 +91,7 @@ def _load_preset(preset: Preset, mesh: Mesh, mode: str, dtype: str | None) -> Lo
     cfg, params = load_gguf(path, mesh, mode=mode, dtype=dtype or preset.target.dtype)
     _check_matches(preset, cfg)
     return LoadedTarget(cfg, params, ChatTokenizer.from_gguf(path), f"{preset.name} ({path})",
-                        mesh)
+                        mesh, path)
 
 
 def _check_matches(preset: Preset, cfg: TargetConfig) -> None:
