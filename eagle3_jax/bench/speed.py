@@ -223,9 +223,9 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
     written = [out, out.with_suffix(".md")]
     if not args.no_plot:
         plot(out.with_suffix(".png"), results,
-             f"EAGLE-3 on {Path(str(target.weights or target.source)).name}, tree "
-             f"{tree.top_k}/{tree.depth}/"
-             f"{tree.total_tokens}, {args.num_prompts} prompts/task, batch 1, T=0")
+             f"EAGLE-3 on {Path(str(getattr(target, 'weights', None) or target.source)).name}"
+             f", tree {tree.top_k}/{tree.depth}/{tree.total_tokens}, {args.num_prompts} "
+             "prompts/task, batch 1, T=0")
         written.append(out.with_suffix(".png"))
     log(f"[wrote {', '.join(map(str, written))}]")
     return report
