@@ -133,7 +133,8 @@ class TargetConfig:
         if arch is None:
             raise ConfigError(
                 f"unknown model_type {model_type!r} in config.json; eagle3_jax runs "
-                f"{', '.join(ARCHITECTURES)} (Llama 2/3, Vicuna, Mistral, SmolLM2, Qwen2/2.5, Qwen3)"
+                f"{', '.join(ARCHITECTURES)} "
+                "(Llama 2/3, Vicuna, Mistral, SmolLM2, Qwen2/2.5, Qwen3)"
             )
         try:
             hidden = int(hf["hidden_size"])
