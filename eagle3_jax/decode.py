@@ -118,6 +118,17 @@ class Generation:
 _COMPILED: dict[tuple, Callable] = {}
 
 
+def _cached_compile(key: tuple, what: str, shape, compile_fn: Callable[[], Callable]):
+    """The compiled function for ``key``, compiling (and logging the time) on first use."""
+    run = _COMPILED.get(key)
+    if run is None:
+        start = time.perf_counter()
+        run = _COMPILED[key] = compile_fn()
+        log(f"[compiled {what} for batch {shape[0]} x {shape[1]} prompt slots in "
+            f"{time.perf_counter() - start:.1f} s]")
+    return run
+
+
 class IncrementalText:
     """Turns a growing token list into printable text pieces, holding back partial UTF-8.
 
@@ -179,17 +190,12 @@ class VanillaDecoder:
                                  max_length=cfg.max_position_embeddings)
 
     def _compiled(self, batch) -> Callable:
-        shape = batch.tokens.shape
-        key = ("vanilla", self.target.cfg, shape, tuple(sorted(self._settings().items())))
-        run = _COMPILED.get(key)
-        if run is None:
-            start = time.perf_counter()
-            run = self._compile_generate(self.target.params, self.target.cfg, batch.tokens,
-                                         batch.lengths, **self._settings())
-            _COMPILED[key] = run
-            log(f"[compiled generate for batch {shape[0]} x {shape[1]} prompt slots in "
-                f"{time.perf_counter() - start:.1f} s]")
-        return run
+        settings = self._settings()
+        return _cached_compile(
+            ("vanilla", self.target.cfg, batch.tokens.shape, tuple(sorted(settings.items()))),
+            "generate", batch.tokens.shape,
+            lambda: self._compile_generate(self.target.params, self.target.cfg, batch.tokens,
+                                           batch.lengths, **settings))
 
     def generate_batch(self, prompts: Sequence[list[int]]) -> list[Generation]:
         batch = self._pad(prompts, pad_batch=True)
@@ -236,17 +242,12 @@ class EagleDecoder(VanillaDecoder):
     def _compiled(self, batch) -> Callable:
         shape = batch.tokens.shape
         settings = self._eagle_settings(shape[1])
-        key = ("eagle", self.target.cfg, self.head.cfg, shape, tuple(sorted(settings.items())))
-        run = _COMPILED.get(key)
-        if run is None:
-            start = time.perf_counter()
-            run = self._eagle.compile_generate_eagle(self.target.params, self.target.cfg,
-                                                     self.head, batch.tokens, batch.lengths,
-                                                     **settings)
-            _COMPILED[key] = run
-            log(f"[compiled EAGLE generate for batch {shape[0]} x {shape[1]} prompt slots in "
-                f"{time.perf_counter() - start:.1f} s]")
-        return run
+        return _cached_compile(
+            ("eagle", self.target.cfg, self.head.cfg, shape, tuple(sorted(settings.items()))),
+            "EAGLE generate", shape,
+            lambda: self._eagle.compile_generate_eagle(self.target.params, self.target.cfg,
+                                                       self.head, batch.tokens, batch.lengths,
+                                                       **settings))
 
     def generate_batch(self, prompts: Sequence[list[int]]) -> list[Generation]:
         batch = self._pad(prompts, pad_batch=True)
