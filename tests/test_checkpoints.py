@@ -30,7 +30,7 @@ from eagle3_jax.checkpoints import default_model, gguf_loader
 from eagle3_jax.checkpoints.gguf_loader import unpermute_qk
 from eagle3_jax.checkpoints.hf_names import param_to_hf
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.params import is_spec, param_specs
+from eagle3_jax.model.params import is_spec, param_specs, serving_specs, to_stacked
 from eagle3_jax.model.target import forward
 from eagle3_jax.presets import PresetError
 from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
@@ -195,7 +195,7 @@ def test_smollm2_onto_8_device_mesh(smollm2_gguf_path, smollm2):
     assert params["layers"]["w_gate"].sharding.spec == P(None, None, "tensor")
     assert params["layers"]["wq"].sharding.spec == P(None, None, None, None)  # 9 heads, 4 devs
     # Every leaf is checked on the tiny model above; here the three sharding patterns.
-    ref = smollm2[1]
+    ref = to_stacked(smollm2[1], smollm2[0])  # load_target gives the serving layout
     for get in (lambda p: p["embed"], lambda p: p["layers"]["w_gate"],
                 lambda p: p["layers"]["wq"]):
         np.testing.assert_array_equal(np.asarray(get(params)), np.asarray(get(ref)))
@@ -354,8 +354,9 @@ def test_load_target_default(smollm2_loaded, smollm2_gguf_path):
     loaded = smollm2_loaded
     assert loaded.source == f"smollm2-135m ({smollm2_gguf_path})"
     assert 2 in loaded.tokenizer.eos_token_ids  # <|im_end|>
-    leaves = jax.tree.leaves(param_specs(loaded.cfg), is_leaf=is_spec)
-    assert len(jax.tree.leaves(loaded.params)) == len(leaves)
+    # Serving layout: the tree and shapes of serving_specs.
+    specs = jax.tree.leaves(serving_specs(loaded.cfg), is_leaf=is_spec)
+    assert [x.shape for x in jax.tree.leaves(loaded.params)] == [s.shape for s in specs]
 
 
 # ---------------------------------------------------------------------------------------------

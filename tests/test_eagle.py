@@ -218,10 +218,9 @@ def test_commit_equals_recomputing_the_caches(models):
         ref = forward(params, cfg, seq, jnp.arange(end)[None],
                       causal_mask(jnp.zeros((1,), jnp.int32), end, 64), KVCache.zeros(cfg, 1, 64),
                       tap_layers=head.cfg.tap_layers)
-        np.testing.assert_allclose(state.cache.k[:, b, :, :end], ref.cache.k[:, 0, :, :end],
-                                   atol=2e-5)
-        np.testing.assert_allclose(state.cache.v[:, b, :, :end], ref.cache.v[:, 0, :, :end],
-                                   atol=2e-5)
+        for got, want in ((state.cache.k, ref.cache.k), (state.cache.v, ref.cache.v)):
+            np.testing.assert_allclose(np.stack(got)[:, b, :, :end],
+                                       np.stack(want)[:, 0, :, :end], atol=2e-5)
         # The draft cache equals a draft prefill over the same context from scratch.
         nxt = jnp.asarray(np.append(committed[1:], emitted[-1]))[None]
         zeros = jnp.zeros((1, head.cfg.num_kv_heads, 64, head.cfg.head_dim))

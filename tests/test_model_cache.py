@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.params import init_params
+from eagle3_jax.model.params import init_params, to_serving
 from eagle3_jax.model.target import KVCache, causal_mask, forward
 
 ATOL = 1e-5
@@ -27,6 +27,9 @@ CFG = TargetConfig(arch="qwen3", vocab_size=101, hidden_size=32, intermediate_si
                    attention_bias=True, qk_norm=True)
 # Scale 0.2 ~ 1/sqrt(D): logits of std ~1, so ATOL is meaningful in absolute terms.
 PARAMS = init_params(CFG, jax.random.key(0), scale=0.2)
+# Cached runs use the serving layout (what decoding loads); the no-cache reference scans the
+# stacked layout, so every comparison below also checks one layout against the other.
+SERVING = to_serving(PARAMS, CFG)
 
 
 def _full_logits(tokens: np.ndarray) -> np.ndarray:
@@ -44,7 +47,7 @@ def _prefill(tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, KVCac
     b, t = tokens.shape
     cache = KVCache.zeros(CFG, b, MAX_LEN)
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    out = jit_forward(PARAMS, CFG, jnp.asarray(tokens), positions,
+    out = jit_forward(SERVING, CFG, jnp.asarray(tokens), positions,
                       causal_mask(cache.end, t, MAX_LEN), cache)
     # Padding wrote junk at slots [length, T); end = length hides it and the next write
     # overwrites it.
@@ -69,7 +72,8 @@ def test_prefill_then_decode_steps_equal_full_forward_with_ragged_rows():
     for i in range(steps):
         token = jnp.asarray(continuation[:, i:i + 1])
         positions = cache.end[:, None]
-        out = jit_forward(PARAMS, CFG, token, positions, causal_mask(cache.end, 1, MAX_LEN), cache)
+        out = jit_forward(SERVING, CFG, token, positions, causal_mask(cache.end, 1, MAX_LEN),
+                          cache)
         np.testing.assert_array_equal(out.cache.end, cache.end)  # forward never moves end
         for b, n in enumerate(lengths):
             np.testing.assert_allclose(np.asarray(out.logits[b, 0]), expected[b, n + i],
@@ -86,7 +90,7 @@ def test_chunked_prefill_equals_full_forward():
     cache = KVCache.zeros(CFG, 2, MAX_LEN)
     for start in range(0, total, chunk):
         positions = cache.end[:, None] + jnp.arange(chunk)
-        out = jit_forward(PARAMS, CFG, jnp.asarray(tokens[:, start:start + chunk]), positions,
+        out = jit_forward(SERVING, CFG, jnp.asarray(tokens[:, start:start + chunk]), positions,
                           causal_mask(cache.end, chunk, MAX_LEN), cache)
         np.testing.assert_allclose(np.asarray(out.logits), expected[:, start:start + chunk],
                                    atol=ATOL, rtol=0, err_msg=f"chunk at {start}")
@@ -94,10 +98,9 @@ def test_chunked_prefill_equals_full_forward():
 
     # The cache holds the same keys/values as a single full prefill.
     _, one_shot = _prefill(tokens, np.array([total, total]))
-    np.testing.assert_allclose(np.asarray(cache.k[:, :, :, :total]),
-                               np.asarray(one_shot.k[:, :, :, :total]), atol=ATOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(cache.v[:, :, :, :total]),
-                               np.asarray(one_shot.v[:, :, :, :total]), atol=ATOL, rtol=0)
+    for got, want in ((cache.k, one_shot.k), (cache.v, one_shot.v)):  # L x [B, K, S, H]
+        np.testing.assert_allclose(np.stack(got)[:, :, :, :total], np.stack(want)[:, :, :, :total],
+                                   atol=ATOL, rtol=0)
 
 
 # Token tree, node i has parent TREE_PARENTS[i]:   0 ── 1 ── 3 ── 5
@@ -137,7 +140,7 @@ def test_tree_mask_node_logits_equal_their_branch_run_alone():
     for b, c in enumerate(context_lengths):
         mask[b, :, :c] = True
         mask[b, :, c:c + n] = ancestor_or_self
-    tree = jit_forward(PARAMS, CFG, jnp.asarray(tree_tokens),
+    tree = jit_forward(SERVING, CFG, jnp.asarray(tree_tokens),
                        jnp.asarray(context_lengths[:, None] + depth[None, :]), jnp.asarray(mask),
                        cache)
 
@@ -170,8 +173,8 @@ def test_writes_past_the_cache_end_are_dropped(overflow):
     tokens = np.random.default_rng(4).integers(0, CFG.vocab_size, (1, 4))
     cache = KVCache.zeros(CFG, 1, 8).replace(end=jnp.array([4 + overflow], jnp.int32))
     positions = cache.end[:, None] + jnp.arange(4)
-    out = jit_forward(PARAMS, CFG, jnp.asarray(tokens), positions, causal_mask(cache.end, 4, 8),
+    out = jit_forward(SERVING, CFG, jnp.asarray(tokens), positions, causal_mask(cache.end, 4, 8),
                       cache)
-    k = np.asarray(out.cache.k).swapaxes(2, 3)  # [L, B, K, S, H] -> [L, B, S, K, H]
+    k = np.stack(out.cache.k).swapaxes(2, 3)  # [L, B, K, S, H] -> [L, B, S, K, H]
     assert not np.any(k[:, :, :4 + overflow]), "a write wrapped onto slots before end"
     assert np.all(np.any(k[:, :, 4 + overflow:] != 0, axis=(-1, -2))), "in-range slots not written"

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from eagle3_jax.model.config import RopeScaling, TargetConfig
+from eagle3_jax.model.params import is_spec, serving_specs, to_serving, to_stacked
 from eagle3_jax.model.target import forward
 from hf_reference import hf_forward, tiny_hf_model
 
@@ -63,23 +64,27 @@ def _causal(batch: int, length: int) -> jax.Array:
     return jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
 
 
-def _run_both(case: str, tokens: np.ndarray, positions: np.ndarray):
+def _run_both(case: str, tokens: np.ndarray, positions: np.ndarray, layout: str = "stacked"):
     hf_model, cfg, params = _model(case)
     hf_logits, hf_hidden = hf_forward(hf_model, tokens, positions)
+    if layout == "serving":
+        params = to_serving(params, cfg)
     b, t = tokens.shape
     out = jit_forward(params, cfg, jnp.asarray(tokens), jnp.asarray(positions), _causal(b, t),
                       tap_layers=cfg.eagle3_tap_layers)
     return cfg, params, out, hf_logits, hf_hidden
 
 
+@pytest.mark.parametrize("layout", ["stacked", "serving"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_logits_taps_and_hidden_match_hf(case):
+def test_logits_taps_and_hidden_match_hf(case, layout):
+    """Both layouts: stacked (scanned, training) and serving (fused, looped, decoding)."""
     hf_model, cfg, _ = _model(case)
     rng = np.random.default_rng(0)
     length = 100 if case == "llama3_rope" else 24
     tokens = rng.integers(0, cfg.vocab_size, (2, length))
     positions = np.broadcast_to(np.arange(length), (2, length))
-    cfg, _, out, hf_logits, hf_hidden = _run_both(case, tokens, positions)
+    cfg, _, out, hf_logits, hf_hidden = _run_both(case, tokens, positions, layout)
 
     assert out.logits.dtype == jnp.float32
     assert 0.3 < hf_logits.std() < 3, "weights not at the intended O(1) scale"
@@ -91,6 +96,21 @@ def test_logits_taps_and_hidden_match_hf(case):
                                    err_msg=f"tap entering layer {layer}")
     np.testing.assert_allclose(np.asarray(out.hidden), hf_hidden[cfg.num_layers], atol=ATOL,
                                rtol=0)
+
+
+@pytest.mark.parametrize("case", ["llama_gqa", "qwen2_bias", "qwen3_qk_norm", "llama_mqa"])
+def test_serving_layout_round_trips_exactly(case):
+    """to_stacked(to_serving(p)) == p bit for bit, and the serving tree matches serving_specs."""
+    _, cfg, params = _model(case)
+    serving = to_serving(params, cfg)
+    specs = serving_specs(cfg)
+    assert jax.tree.structure(serving) == jax.tree.structure(
+        jax.tree.map(lambda s: 0, specs, is_leaf=is_spec))
+    for got, spec in zip(jax.tree.leaves(serving), jax.tree.leaves(specs, is_leaf=is_spec)):
+        assert got.shape == spec.shape
+    back = to_stacked(serving, cfg)
+    for (path, want), got in zip(jax.tree.leaves_with_path(params), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(path))
 
 
 def test_config_features_were_exercised():

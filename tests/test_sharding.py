@@ -19,7 +19,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.params import init_params, is_spec, param_specs
+from eagle3_jax.model.params import (init_params, is_spec, param_specs, serving_specs,
+                                     to_serving)
 from eagle3_jax.model.target import KVCache, causal_mask, forward
 from eagle3_jax.sharding import (
     KV_CACHE_AXES, MeshConfig, MeshError, describe_fallbacks, make_mesh, named_sharding,
@@ -216,22 +217,31 @@ def test_sharded_kv_cache_prefill_and_decode_match_single_device(name, shape):
     ref_pre, ref_step = prefill_and_step(ref_params, KVCache.zeros(cfg, B, MAX_LEN), tokens,
                                          positions)
 
-    params = jax.device_put(ref_params, param_shardings(param_specs(cfg), mesh, "serving"))
+    # The serving layout (what load_target gives): converted from sharded stacked params and
+    # placed by the serving rules (fused q/k/v keeps the kv-head split).
+    stacked = jax.device_put(ref_params, param_shardings(param_specs(cfg), mesh, "serving"))
+    want = param_shardings(serving_specs(cfg), mesh, "serving")
+    params = to_serving(stacked, cfg, shardings=want)
+    for got, spec in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+        assert got.sharding.is_equivalent_to(spec, got.ndim)
+    if cfg.num_kv_heads % 4 == 0:
+        assert params["layers"][0]["wqkv"].sharding.spec[0] == "tensor"
     cache = KVCache.zeros(cfg, B, MAX_LEN)
-    cache = KVCache(k=_put(cache.k, KV_CACHE_AXES, mesh, "serving"),
-                    v=_put(cache.v, KV_CACHE_AXES, mesh, "serving"),
+    put_layers = lambda bufs: tuple(_put(x, KV_CACHE_AXES, mesh, "serving") for x in bufs)  # noqa: E731
+    cache = KVCache(k=put_layers(cache.k), v=put_layers(cache.v),
                     end=_put(cache.end, ("batch",), mesh, "serving"))
-    kv_spec = P(None, "data", "tensor" if cfg.num_kv_heads % 4 == 0 else None, None, None)
-    assert cache.k.sharding.is_equivalent_to(NamedSharding(mesh, kv_spec), 5)
+    kv_spec = P("data", "tensor" if cfg.num_kv_heads % 4 == 0 else None, None, None)
+    assert cache.k[0].sharding.is_equivalent_to(NamedSharding(mesh, kv_spec), 4)
     pre, step = prefill_and_step(params, cache, _put(tokens, ("batch", "seq"), mesh, "serving"),
                                  _put(positions, ("batch", "seq"), mesh, "serving"))
     # The updated cache keeps its placement, so a decode loop never reshards it.
-    assert step.cache.k.sharding.is_equivalent_to(cache.k.sharding, 5)
+    for got in step.cache.k + step.cache.v:
+        assert got.sharding.is_equivalent_to(cache.k[0].sharding, 4)
 
     for got, want in ((pre, ref_pre), (step, ref_step)):
         np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=ATOL,
                                    rtol=0)
-        np.testing.assert_allclose(np.asarray(got.cache.k), np.asarray(want.cache.k), atol=ATOL,
+        np.testing.assert_allclose(np.stack(got.cache.k), np.stack(want.cache.k), atol=ATOL,
                                    rtol=0)
 
 

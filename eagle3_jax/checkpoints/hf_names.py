@@ -12,6 +12,7 @@ import re
 import numpy as np
 
 from eagle3_jax.model.config import TargetConfig
+from eagle3_jax.model.params import to_stacked
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -84,7 +85,7 @@ def param_to_hf(cfg: TargetConfig, params) -> dict[str, np.ndarray]:
            "model.norm.weight": np.asarray(params["final_norm"])}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = np.asarray(params["lm_head"]).T
-    for key, stacked in params["layers"].items():
+    for key, stacked in to_stacked(params, cfg)["layers"].items():
         stacked = np.asarray(stacked)
         for layer in range(cfg.num_layers):
             value = stacked[layer]

@@ -15,9 +15,9 @@ from eagle3_jax.checkpoints.default_model import default_model_path
 from eagle3_jax.checkpoints.gguf_loader import load_gguf
 from eagle3_jax.checkpoints.safetensors_loader import CheckpointError, load_safetensors
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.params import Params
+from eagle3_jax.model.params import Params, serving_specs, to_serving
 from eagle3_jax.presets import DEFAULT_PRESET, Preset, PresetError, list_presets, load_preset
-from eagle3_jax.sharding import MeshConfig, make_mesh
+from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
 from eagle3_jax.text.tokenizer import ChatTokenizer
 
 _ACCEPTED = ("a preset name ({presets}), an HF checkpoint folder (config.json + *.safetensors), "
@@ -50,13 +50,24 @@ def load_target(
       target: None (the ``smollm2-135m`` preset), a preset name, an HF checkpoint folder, or a
         ``.gguf`` file.
       mesh: device mesh; None -> a single-device mesh on ``jax.devices()[0]``.
-      mode: sharding rules, "serving" or "training".
+      mode: sharding rules, "serving" or "training". Serving params come in the serving layout
+        (``eagle3_jax.model.to_serving``: per-layer, fused, the fast form for decoding);
+        training params keep the stacked layout for ``lax.scan``.
       dtype: parameter dtype; None -> the preset's, else the checkpoint's (float32 for GGUF).
     Raises:
       CheckpointError (or PresetError) naming the path or preset and what is accepted.
     """
     if mesh is None:
         mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    loaded = _load(target, mesh, mode, dtype)
+    if mode == "serving":
+        shardings = param_shardings(serving_specs(loaded.cfg), mesh, "serving")
+        params = to_serving(loaded.params, loaded.cfg, shardings=shardings, delete_stacked=True)
+        loaded = dataclasses.replace(loaded, params=params)
+    return loaded
+
+
+def _load(target, mesh: Mesh, mode: str, dtype: str | None) -> LoadedTarget:
     if target is None:
         target = DEFAULT_PRESET
     path = Path(target)

@@ -108,8 +108,8 @@ def commit_path(cache: KVCache, path: jax.Array, active: jax.Array) -> KVCache:
     valid = path >= 0
     src = cache.end[:, None] + jnp.maximum(path, 0)
     dst = jnp.where(valid, cache.end[:, None] + jnp.arange(width)[None, :], cache.max_len)
-    # Cache [L, B, K, S, H]: [:, rows, :, slots] gathers/scatters [B, P, L, K, H] blocks.
-    k = cache.k.at[:, rows, :, dst].set(cache.k[:, rows, :, src], mode="drop")
-    v = cache.v.at[:, rows, :, dst].set(cache.v[:, rows, :, src], mode="drop")
+    # Each layer's cache [B, K, S, H]: [rows, :, slots] gathers/scatters [B, P, K, H] blocks.
+    move = lambda buf: buf.at[rows, :, dst].set(buf[rows, :, src], mode="drop")  # noqa: E731
+    k, v = tuple(map(move, cache.k)), tuple(map(move, cache.v))
     new_end = cache.end + jnp.where(active, jnp.sum(valid, axis=1), 0).astype(jnp.int32)
     return dataclasses.replace(cache, k=k, v=v, end=new_end)

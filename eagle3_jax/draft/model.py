@@ -69,5 +69,5 @@ def draft_step_cached(params: Params, cfg: DraftConfig, embeds: jax.Array, g: ja
     rows = jnp.arange(k.shape[0])[:, None]
     cache_k = cache_k.at[rows, :, write_slots].set(k, mode="drop")  # k: [B, T, K, H]
     cache_v = cache_v.at[rows, :, write_slots].set(v, mode="drop")
-    h = finish_layer(params, cfg, g, attention(q, cache_k, cache_v, mask))
+    h = finish_layer(params, cfg, g, attention(q, [(cache_k, cache_v, mask)]))
     return h, draft_logits(params, cfg, h), cache_k, cache_v

@@ -7,6 +7,7 @@ G query heads per kv head (N = K*G), H head_dim, F mlp width.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -51,26 +52,37 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return rotated.astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention.
+def attention(q: jax.Array, blocks: Sequence[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
+    """Grouped-query attention with one softmax over several blocks of keys.
 
     Args:
       q: [B, T, N, H] queries (already rotated).
-      k, v: [B, K, S, H] keys/values of every slot a query may see, head-major: the layout of
-        the KV caches, so the score and value matmuls read them without a transpose.
-      mask: [B, T, S] bool, True where query t may attend slot s.
+      blocks: ``(k, v, mask)`` triples: keys/values [B, K, S_i, H] head-major (the layout of the
+        KV caches, so the matmuls read them without a transpose) and mask [B, T, S_i] bool, True
+        where query t may attend slot s. The target passes its cache and the new tokens as two
+        blocks, so the cache is only read here and written once after the forward.
     Returns:
       [B, T, N, H].
     """
     b, t, n, h = q.shape
-    kv_heads = k.shape[1]
-    q = q.reshape(b, t, kv_heads, n // kv_heads, h)
-    scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(h)
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKGTS,BKSH->BTKGH", probs, v)
-    return out.reshape(b, t, n, h)
+    kv_heads = blocks[0][0].shape[1]
+    g = n // kv_heads
+    # [B, K, G*T, H]: one batched matmul per block; rows are (query head in group, token).
+    qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, h)
+    scores = []
+    for k, _, mask in blocks:
+        s = jnp.einsum("BKQH,BKSH->BKQS", qg, k, preferred_element_type=jnp.float32)
+        m = jnp.broadcast_to(mask[:, None, None], (b, kv_heads, g, t, mask.shape[-1]))
+        scores.append(jnp.where(m.reshape(b, kv_heads, g * t, -1), s / math.sqrt(h),
+                                jnp.finfo(jnp.float32).min))
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    out, start = 0.0, 0
+    for k, v, _ in blocks:
+        size = k.shape[2]
+        p = probs[..., start:start + size].astype(v.dtype)
+        out = out + jnp.einsum("BKQS,BKSH->BKQH", p, v)
+        start += size
+    return out.reshape(b, kv_heads, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:

@@ -2,7 +2,10 @@
 
 ``param_specs(cfg)`` is the single table used to create random parameters, to check and place
 loaded checkpoints, and to derive shardings (``eagle3_jax.sharding``). Per-layer weights are
-stacked on a leading ``layers`` axis so the forward can ``lax.scan`` over them.
+stacked on a leading ``layers`` axis so the forward can ``lax.scan`` over them (training).
+``to_serving`` turns them into the serving layout (below): a tuple of L per-layer dicts with
+fused projections, which the forward loops over, reading each weight in place; ``to_stacked``
+is its inverse.
 
 Layout (D hidden, N query heads, K kv heads, H head_dim, F mlp width, V vocab, L layers)::
 
@@ -105,3 +108,149 @@ def init_params(cfg: TargetConfig, key: jax.Array, scale: float = 0.02) -> Param
 def param_bytes(params: Params) -> int:
     """Total bytes of all parameter arrays."""
     return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)))
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving layout. Checkpoints, training and sharding use the stacked table above. Decoding uses
+# one dict per layer with the projections fused and stored [out, in] (contracting the last,
+# contiguous axis), which is what XLA CPU's matrix-vector products read fastest; a stacked layer
+# sliced out of ``[L, ...]`` inside the forward is a full copy of its weights on XLA CPU.
+#
+#   wqkv      [K, G+2, H, D]  ("kv_heads", "qkv", "head_dim", "embed"): the G query heads of
+#                              kv group k (query head k*G + g), then key head k, then value head k
+#   bqkv      [K, G+2, H]     Qwen2 only
+#   wo        [D, N, H]       ("embed", "q_heads", "head_dim")
+#   w_gate_up [2, F, D]       ("gate_up", "mlp", "embed")
+#   w_down    [D, F]          ("embed", "mlp")
+#   attn_norm, mlp_norm [D]; q_norm, k_norm [H] (Qwen3) as in the stacked table.
+# ---------------------------------------------------------------------------------------------
+
+
+def serving_layer_specs(cfg: TargetConfig) -> dict[str, ParamSpec]:
+    """Shapes and logical axes of one layer in the serving layout (see the table above)."""
+    d, f, n, k, h = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                     cfg.head_dim)
+    g = n // k
+    specs = {
+        "attn_norm": ParamSpec((d,), ("norm",), "ones"),
+        "wqkv": ParamSpec((k, g + 2, h, d), ("kv_heads", "qkv", "head_dim", "embed")),
+        "wo": ParamSpec((d, n, h), ("embed", "q_heads", "head_dim")),
+        "mlp_norm": ParamSpec((d,), ("norm",), "ones"),
+        "w_gate_up": ParamSpec((2, f, d), ("gate_up", "mlp", "embed")),
+        "w_down": ParamSpec((d, f), ("embed", "mlp")),
+    }
+    if cfg.attention_bias:
+        specs["bqkv"] = ParamSpec((k, g + 2, h), ("kv_heads", "qkv", "head_dim"), "zeros")
+    if cfg.qk_norm:
+        specs["q_norm"] = ParamSpec((h,), ("head_dim",), "ones")
+        specs["k_norm"] = ParamSpec((h,), ("head_dim",), "ones")
+    return specs
+
+
+def serving_specs(cfg: TargetConfig) -> Params:
+    """The whole serving tree: ``param_specs`` with ``layers`` as L per-layer dicts."""
+    specs = param_specs(cfg)
+    return {**specs, "layers": tuple(serving_layer_specs(cfg) for _ in range(cfg.num_layers))}
+
+
+def to_serving_layer(p: Params, cfg: TargetConfig) -> Params:
+    """One layer, stacked-table layout -> serving layout (traceable; exact, only moves data).
+
+    Works on any subset of one layer's weights that holds whole groups (q/k/v, gate/up, ...)
+    and returns the serving entries of those groups, so ``to_serving`` can convert and release
+    one group at a time.
+    """
+    d, k = cfg.hidden_size, cfg.num_kv_heads
+    g = cfg.num_heads // k
+    out = {name: p[name] for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm") if name in p}
+    if "wq" in p:
+        q = p["wq"].reshape(d, k, g, -1).transpose(1, 2, 3, 0)  # [K, G, H, D]
+        out["wqkv"] = jnp.concatenate([q, p["wk"].transpose(1, 2, 0)[:, None],
+                                       p["wv"].transpose(1, 2, 0)[:, None]], axis=1)
+    if "bq" in p:
+        out["bqkv"] = jnp.concatenate([p["bq"].reshape(k, g, -1), p["bk"][:, None],
+                                       p["bv"][:, None]], axis=1)
+    if "wo" in p:
+        out["wo"] = p["wo"].transpose(2, 0, 1)
+    if "w_gate" in p:
+        out["w_gate_up"] = jnp.stack([p["w_gate"].T, p["w_up"].T])
+    if "w_down" in p:
+        out["w_down"] = p["w_down"].T
+    return out
+
+
+# Stacked weights converted together (each group becomes whole serving entries).
+_SERVING_GROUPS = (("wq", "wk", "wv"), ("bq", "bk", "bv"), ("w_gate", "w_up"), ("wo",),
+                   ("w_down",), ("attn_norm",), ("mlp_norm",), ("q_norm",), ("k_norm",))
+
+
+def from_serving_layer(p: Params, cfg: TargetConfig) -> Params:
+    """Inverse of :func:`to_serving_layer`."""
+    d, n, k = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
+    g = n // k
+    wqkv = p["wqkv"]
+    out = {
+        "attn_norm": p["attn_norm"], "mlp_norm": p["mlp_norm"],
+        "wq": wqkv[:, :g].transpose(3, 0, 1, 2).reshape(d, n, -1),
+        "wk": wqkv[:, g].transpose(2, 0, 1), "wv": wqkv[:, g + 1].transpose(2, 0, 1),
+        "wo": p["wo"].transpose(1, 2, 0),
+        "w_gate": p["w_gate_up"][0].T, "w_up": p["w_gate_up"][1].T,
+        "w_down": p["w_down"].T,
+    }
+    if "bqkv" in p:
+        out["bq"] = p["bqkv"][:, :g].reshape(n, -1)
+        out["bk"], out["bv"] = p["bqkv"][:, g], p["bqkv"][:, g + 1]
+    for name in ("q_norm", "k_norm"):
+        if name in p:
+            out[name] = p[name]
+    return out
+
+
+def is_serving(params: Params) -> bool:
+    """True when ``params["layers"]`` is a tuple of per-layer dicts (serving layout)."""
+    return not isinstance(params["layers"], dict)
+
+
+def to_serving(params: Params, cfg: TargetConfig, *, shardings: Any = None,
+               delete_stacked: bool = False) -> Params:
+    """Stacked params -> serving params (``layers``: tuple of L per-layer dicts, fused).
+
+    Args:
+      shardings: optional tree of NamedSharding for ``serving_specs(cfg)`` (place each layer
+        as the serving rules say); None lets XLA propagate the input placement.
+      delete_stacked: delete each group of stacked weights (q/k/v, gate/up, ...) once it is
+        converted; the caller must not use ``params`` afterwards. Peak extra memory is then the
+        largest group (gate + up), not a second copy of the model.
+    Serving params are returned unchanged.
+    """
+    if is_serving(params):
+        return params
+    stacked = params["layers"]
+    per_layer = [{} for _ in range(cfg.num_layers)]
+    for group in _SERVING_GROUPS:
+        group = {name: stacked[name] for name in group if name in stacked}
+        if not group:
+            continue
+        names = jax.eval_shape(lambda part: to_serving_layer(
+            jax.tree.map(lambda a: a[0], part), cfg), group).keys()
+        out_shardings = None
+        if shardings is not None:
+            out_shardings = {name: shardings["layers"][0][name] for name in names}
+        convert = jax.jit(lambda part, i: to_serving_layer(jax.tree.map(lambda a: a[i], part),
+                                                           cfg), out_shardings=out_shardings)
+        for i, layer in enumerate(per_layer):
+            layer.update(convert(group, i))
+        if delete_stacked:
+            jax.block_until_ready(per_layer)
+            for a in group.values():
+                a.delete()
+    return {**params, "layers": tuple(per_layer)}
+
+
+def to_stacked(params: Params, cfg: TargetConfig) -> Params:
+    """Inverse of :func:`to_serving` (stacked params are returned unchanged)."""
+    if not is_serving(params):
+        return params
+    layers = [from_serving_layer(p, cfg) for p in params["layers"]]
+    return {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}

@@ -2,12 +2,15 @@
 
 The caller gives explicit ``positions`` and a boolean ``mask`` over (query, cache slot), so the
 same jitted code runs a causal prefill, a one-token decode step, or a whole draft tree whose
-tokens see only their ancestors. Layers are scanned (``lax.scan`` over the stacked weights).
+tokens see only their ancestors. Stacked layers (training) are scanned with ``lax.scan``; the
+serving layout (``to_serving``, what ``load_target`` gives for decoding) runs as a Python loop.
 
 KV cache (fixed size, functional)::
 
-    KVCache.k, .v  [L, B, K, S, H]   S = max_len slots per row, head-major (see attention)
-    KVCache.end    [B] int32         slots [0, end) hold committed tokens
+    KVCache.k, .v  L arrays [B, K, S, H]   S = max_len slots per row, head-major (see attention);
+                                           one buffer per layer, so each is read and updated in
+                                           place without slicing a stack
+    KVCache.end    [B] int32               slots [0, end) hold committed tokens
 
 ``forward`` writes the T new keys/values of row b at slots ``[end[b], end[b] + T)`` and does not
 move ``end``: plain decoding advances it by T, tree verification by the accepted length after
@@ -24,25 +27,26 @@ import jax.numpy as jnp
 from flax import struct
 
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.layers import apply_rope, attention, rms_norm, rope_inv_freq, swiglu
-from eagle3_jax.model.params import Params
+from eagle3_jax.model.layers import apply_rope, attention, rms_norm, rope_inv_freq
+from eagle3_jax.model.params import Params, is_serving, to_serving_layer
 
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, K, S, H]
-    v: jax.Array  # [L, B, K, S, H]
+    k: tuple[jax.Array, ...]  # L arrays [B, K, S, H]
+    v: tuple[jax.Array, ...]  # L arrays [B, K, S, H]
     end: jax.Array  # [B] int32
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
     @classmethod
     def zeros(cls, cfg: TargetConfig, batch: int, max_len: int) -> "KVCache":
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         dtype = jnp.dtype(cfg.dtype)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+        empty = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
+        return cls(empty(), empty(), jnp.zeros((batch,), jnp.int32))
 
 
 @struct.dataclass
@@ -60,6 +64,52 @@ def causal_mask(cache_end: jax.Array, num_new: int, max_len: int) -> jax.Array:
     return slots <= query_slots
 
 
+def split_cache_mask(mask: jax.Array, cache_end: jax.Array, num_new: int):
+    """Split a mask over cache slots [B, T, S] into (past [B, T, S], new [B, T, T]).
+
+    ``past`` keeps only committed slots (< end); ``new[b, t, j]`` is the mask at slot end + j,
+    where new token j is written. Slots past the cache end read as False.
+    """
+    slots = jnp.arange(mask.shape[-1])
+    past = mask & (slots[None, None, :] < cache_end[:, None, None])
+    new_slots = cache_end[:, None, None] + jnp.arange(num_new)[None, None, :]
+    new_slots = jnp.broadcast_to(new_slots, mask.shape[:2] + (num_new,))
+    new = jnp.take_along_axis(mask, new_slots, axis=2, mode="fill", fill_value=False)
+    return past, new
+
+
+def _layer(p: Params, cfg: TargetConfig, h: jax.Array, positions: jax.Array,
+           inv_freq: jax.Array, new_mask: jax.Array, past) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One decoder layer in the serving layout: h [B, T, D] -> (h, k, v [B, K, T, H]).
+
+    ``p`` holds one layer's weights as ``eagle3_jax.model.params.serving_layer_specs`` lays them
+    out: q/k/v and gate/up fused, every matrix [out, in], applied as 2-D matmuls over the last
+    (contiguous) axis. ``past`` is None or ``(k, v, mask)``: this layer's cache [B, K, S, H]
+    and the mask over it.
+    """
+    b, t, d = h.shape
+    n, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    g = n // kv
+    x = rms_norm(h, p["attn_norm"], cfg.rms_norm_eps)
+    qkv = jnp.einsum("BTD,OD->BTO", x, p["wqkv"].reshape(-1, d)).reshape(b, t, kv, g + 2, hd)
+    if cfg.attention_bias:
+        qkv = qkv + p["bqkv"]
+    q, k, v = qkv[:, :, :, :g].reshape(b, t, n, hd), qkv[:, :, :, g], qkv[:, :, :, g + 1]
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq).transpose(0, 2, 1, 3)  # [B, K, T, H]
+    v = v.transpose(0, 2, 1, 3)
+    blocks = [(k, v, new_mask)] if past is None else [past, (k, v, new_mask)]
+    attn = attention(q, blocks).reshape(b, t, n * hd)
+    h = h + jnp.einsum("BTO,DO->BTD", attn, p["wo"].reshape(d, n * hd))
+    x = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
+    gate_up = jnp.einsum("BTD,OD->BTO", x, p["w_gate_up"].reshape(-1, d)).reshape(b, t, 2, -1)
+    mlp = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+    return h + jnp.einsum("BTF,DF->BTD", mlp, p["w_down"]), k, v
+
+
 def forward(
     params: Params,
     cfg: TargetConfig,
@@ -75,11 +125,14 @@ def forward(
     """Run the target over T new tokens.
 
     Args:
-      params: pytree of ``eagle3_jax.model.params.param_specs(cfg)``.
+      params: stacked (``param_specs``; the layers are scanned when there is no cache) or in
+        the serving layout (``to_serving``; a Python loop over per-layer weights, the fast form
+        for decoding: XLA CPU copies a layer's weights out of a stack on every step).
       tokens: [B, T] int32 token ids.
       positions: [B, T] int32 RoPE positions.
       mask: [B, T, S] bool over cache slots (S = cache.max_len), or [B, T, T] without a cache.
-      cache: KV cache; the new keys/values are written at slots [end, end + T).
+      cache: KV cache; the new keys/values are written at slots [end, end + T), once, after all
+        layers have read the cache (so XLA updates it in place).
       tap_layers: return the hidden states *entering* these layers (EAGLE-3: 2, L//2, L-3).
       logit_positions: [B, P] indices into T; compute logits only there (saves the vocab matmul).
       compute_logits: False skips the output head entirely (feature extraction).
@@ -87,52 +140,45 @@ def forward(
       ForwardOutput with float32 logits, the updated cache, taps and the final hidden state.
     """
     dtype = jnp.dtype(cfg.dtype)
-    layer_params = params["layers"]
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     b, t = tokens.shape
     h = jnp.take(params["embed"], tokens, axis=0).astype(dtype)  # [B, T, D]
-
     tap_layers = tuple(tap_layers)
-    taps0 = jnp.zeros((len(tap_layers), b, t, cfg.hidden_size), dtype)
-    if cache is not None:
-        rows = jnp.arange(b)[:, None]
-        slots = cache.end[:, None] + jnp.arange(t)[None, :]  # [B, T]
 
-    def layer(carry, xs):
-        h, cache_k, cache_v, taps = carry
-        p, index = xs
-        for j, tap in enumerate(tap_layers):
-            taps = taps.at[j].set(jnp.where(index == tap, h, taps[j]))
-        x = rms_norm(h, p["attn_norm"], cfg.rms_norm_eps)
-        q = jnp.einsum("BTD,DNH->BTNH", x, p["wq"])
-        k = jnp.einsum("BTD,DKH->BTKH", x, p["wk"])
-        v = jnp.einsum("BTD,DKH->BTKH", x, p["wv"])
-        if cfg.attention_bias:
-            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-        if cfg.qk_norm:
-            q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-        if cache_k is None:
-            keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
-        else:
-            # [index, rows, :, slots] takes k as [B, T, K, H]. Out-of-range slots are dropped;
-            # decoders stop before the cache is full.
-            cache_k = cache_k.at[index, rows, :, slots].set(k, mode="drop")
-            cache_v = cache_v.at[index, rows, :, slots].set(v, mode="drop")
-            keys, values = cache_k[index], cache_v[index]  # [B, K, S, H]
-        attn = attention(q, keys, values, mask)
-        h = h + jnp.einsum("BTNH,NHD->BTD", attn, p["wo"])
-        x = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
-        h = h + swiglu(x, p["w_gate"], p["w_up"], p["w_down"])
-        return (h, cache_k, cache_v, taps), None
+    if cache is None:
+        new_mask = mask
+    else:
+        past_mask, new_mask = split_cache_mask(mask, cache.end, t)
 
-    cache_k = cache.k if cache is not None else None
-    cache_v = cache.v if cache is not None else None
-    (h, cache_k, cache_v, taps), _ = jax.lax.scan(
-        layer, (h, cache_k, cache_v, taps0), (layer_params, jnp.arange(cfg.num_layers))
-    )
+    if cache is None and not is_serving(params):
+        def layer(carry, xs):
+            h, taps = carry
+            p, index = xs
+            for j, tap in enumerate(tap_layers):
+                taps = taps.at[j].set(jnp.where(index == tap, h, taps[j]))
+            p = to_serving_layer(p, cfg)
+            h, _, _ = _layer(p, cfg, h, positions, inv_freq, new_mask, None)
+            return (h, taps), None
+
+        taps0 = jnp.zeros((len(tap_layers), b, t, cfg.hidden_size), dtype)
+        (h, taps), _ = jax.lax.scan(layer, (h, taps0),
+                                    (params["layers"], jnp.arange(cfg.num_layers)))
+        taps = [taps[j] for j in range(len(tap_layers))]
+        new_k = new_v = None
+    else:
+        layers = params["layers"]
+        if not is_serving(params):
+            layers = [to_serving_layer(jax.tree.map(lambda a, i=i: a[i], layers), cfg)
+                      for i in range(cfg.num_layers)]
+        taps, new_k, new_v = [None] * len(tap_layers), [], []
+        for index, p in enumerate(layers):
+            for j, tap in enumerate(tap_layers):
+                if index == tap:
+                    taps[j] = h
+            past = None if cache is None else (cache.k[index], cache.v[index], past_mask)
+            h, k, v = _layer(p, cfg, h, positions, inv_freq, new_mask, past)
+            new_k.append(k)
+            new_v.append(v)
     hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
 
     logits = None
@@ -141,11 +187,31 @@ def forward(
         if logit_positions is not None:
             head_in = jnp.take_along_axis(hidden, logit_positions[:, :, None], axis=1)
         logits = output_logits(params, cfg, head_in)
-    new_cache = None if cache is None else dataclasses.replace(cache, k=cache_k, v=cache_v)
-    tap_out = None
-    if tap_layers:
-        tap_out = jnp.concatenate([taps[j] for j in range(len(tap_layers))], axis=-1)
+    new_cache = None
+    if cache is not None:
+        new_cache = _write_cache(cache, new_k, new_v, after=hidden)
+    tap_out = jnp.concatenate(taps, axis=-1) if tap_layers else None
     return ForwardOutput(logits=logits, cache=new_cache, taps=tap_out, hidden=hidden)
+
+
+def _write_cache(cache: KVCache, new_k, new_v, after: jax.Array) -> KVCache:
+    """Write each layer's new keys/values [B, K, T, H] at slots [end, end + T) of its cache.
+
+    Out-of-range slots are dropped; decoders stop before the cache is full. The values are made
+    to depend on ``after`` (the final hidden state, [B, T, D]; adding 0 changes nothing for finite
+    values) so XLA orders every write after every read of the cache and updates the buffers in
+    place instead of copying each layer's cache every step.
+    """
+    b, _, t, _ = new_k[0].shape
+    rows = jnp.arange(b)[:, None]
+    slots = cache.end[:, None] + jnp.arange(t)[None, :]  # [B, T]
+    order = (0 * after[:, None, :, :1]).astype(new_k[0].dtype)  # [B, 1, T, 1]
+
+    def write(buf, new):  # buf [B, K, S, H]; [rows, :, slots] addresses [B, T, K, H] blocks
+        return buf.at[rows, :, slots].set((new + order).transpose(0, 2, 1, 3), mode="drop")
+
+    return dataclasses.replace(cache, k=tuple(map(write, cache.k, new_k)),
+                               v=tuple(map(write, cache.v, new_v)))
 
 
 def output_logits(params: Params, cfg: TargetConfig, hidden: jax.Array) -> jax.Array:

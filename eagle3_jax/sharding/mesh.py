@@ -42,8 +42,8 @@ SERVING_RULES: Mapping[str, tuple[str, ...]] = {
 }
 RULES = {"training": TRAINING_RULES, "serving": SERVING_RULES}
 
-# KV cache [L, B, K, S, H] axes.
-KV_CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
+# Axes of one layer's KV cache [B, K, S, H] (``KVCache.k`` / ``.v`` hold one per layer).
+KV_CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
 
 
 class MeshError(ValueError):
