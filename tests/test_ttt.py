@@ -57,7 +57,7 @@ def _unrolled_reference(params, cfg, embed, batch):
         causal &= seg[:, :, None] > 0
         diag = np.broadcast_to(np.eye(T, dtype=bool), (B, T, T))
         mask = np.concatenate([causal] + [diag] * i, axis=-1)
-        g = finish_layer(params, cfg, g, attention(q, all_k, all_v, jnp.asarray(mask)))
+        g = finish_layer(params, cfg, g, attention(q, [(all_k, all_v, jnp.asarray(mask))]))
         logits = draft_logits(params, cfg, g)
         logits_all.append(logits)
         # Labels and weights shifted as the reference shifts them.
