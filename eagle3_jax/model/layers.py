@@ -1,4 +1,5 @@
-"""Building blocks shared by the target and the draft head: RMSNorm, RoPE, attention, SwiGLU.
+"""Building blocks of the target and the draft head: RMSNorm, RoPE, attention (both), SwiGLU
+(the draft head; the target applies its fused gate/up weights in ``target._layer``).
 
 Einsum letters: B batch, T new tokens, S cache slots, D hidden, N query heads, K kv heads,
 G query heads per kv head (N = K*G), H head_dim, F mlp width.

@@ -110,7 +110,6 @@ def param_bytes(params: Params) -> int:
     return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params)))
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Serving layout. Checkpoints, training and sharding use the stacked table above. Decoding uses
 # one dict per layer with the projections fused and stored [out, in] (contracting the last,
