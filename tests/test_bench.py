@@ -12,6 +12,7 @@ def test_bench_forward_writes_curve_and_floor(smollm2_gguf_path, tmp_path):
                  "--out", str(out), "--plot", str(png)]) == 0
     result = json.loads(out.read_text())
     assert set(result["forward_ms"]) == {"1", "4"} and result["decode_floor_ms"] > 0
+    assert result["decode_loop_ms_per_token"] > 0
     assert result["param_bytes"] > 500e6 and png.stat().st_size > 0
 
 

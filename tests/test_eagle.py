@@ -19,7 +19,7 @@ from eagle3_jax.decoding.tree import (TreeConfig, TreeError,
                                       tree_from_parents)
 from eagle3_jax.decoding.verify import Acceptance
 from eagle3_jax.draft.config import DraftConfig
-from eagle3_jax.draft.model import draft_step_cached, fuse_taps
+from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache, fuse_taps
 from eagle3_jax.draft.params import DraftHead, VocabMap, init_draft_params
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import init_params
@@ -218,17 +218,19 @@ def test_commit_equals_recomputing_the_caches(models):
         ref = forward(params, cfg, seq, jnp.arange(end)[None],
                       causal_mask(jnp.zeros((1,), jnp.int32), end, 64), KVCache.zeros(cfg, 1, 64),
                       tap_layers=head.cfg.tap_layers)
+        # Keys [B, K, H, S] and values [B, K, S, H], compared slot-major.
         for got, want in ((state.cache.k, ref.cache.k), (state.cache.v, ref.cache.v)):
+            if got is state.cache.k:
+                got, want = [x.swapaxes(-1, -2) for x in got], [x.swapaxes(-1, -2) for x in want]
             np.testing.assert_allclose(np.stack(got)[:, b, :, :end],
                                        np.stack(want)[:, 0, :, :end], atol=2e-5)
         # The draft cache equals a draft prefill over the same context from scratch.
         nxt = jnp.asarray(np.append(committed[1:], emitted[-1]))[None]
-        zeros = jnp.zeros((1, head.cfg.num_kv_heads, 64, head.cfg.head_dim))
         _, _, dk, _ = draft_step_cached(head.params, head.cfg, params["embed"][nxt],
                                         fuse_taps(head.params, ref.taps), jnp.arange(end)[None],
-                                        causal_mask(jnp.zeros((1,), jnp.int32), end, 64), zeros,
-                                        zeros, jnp.arange(end)[None])
-        np.testing.assert_allclose(state.draft_k[b, :, :end], dk[0, :, :end], atol=2e-5)
+                                        causal_mask(jnp.zeros((1,), jnp.int32), end, 64),
+                                        *empty_draft_cache(head.cfg, 1, 64), jnp.arange(end)[None])
+        np.testing.assert_allclose(state.draft_k[b, ..., :end], dk[0, ..., :end], atol=2e-5)
 
 
 # ---------------------------------------------------------------- lossless sampling (exact)

@@ -13,7 +13,7 @@ import torch
 from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.draft.export import (DraftExportError, export_draft_head, load_draft_head,
                                      read_safetensors, write_safetensors)
-from eagle3_jax.draft.model import draft_step_cached, fuse_taps
+from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache, fuse_taps
 from eagle3_jax.draft.params import DraftHead, VocabMap, init_draft_params
 from eagle3_jax.model.config import ConfigError, TargetConfig
 
@@ -137,11 +137,10 @@ def test_exported_file_matches_torch_reference(tmp_path):
 
     # Ours: fc then one cached draft step over an empty cache of t slots.
     g = fuse_taps(head.params, jnp.asarray(taps)[None])
-    cache = jnp.zeros((1, head.cfg.num_kv_heads, t, head.cfg.head_dim))  # [B, K, S, H]
     mask = jnp.tril(jnp.ones((t, t), bool))[None]
     hid, logits, _, _ = draft_step_cached(head.params, head.cfg, jnp.asarray(embeds)[None], g,
-                                          jnp.asarray(positions)[None], mask, cache, cache,
-                                          jnp.arange(t)[None])
+                                          jnp.asarray(positions)[None], mask,
+                                          *empty_draft_cache(head.cfg, 1, t), jnp.arange(t)[None])
 
     g_ref = torch.from_numpy(taps).double() @ w["fc.weight"].T
     hid_ref, logits_ref = torch_draft_layer(w, config, torch.from_numpy(embeds).double(), g_ref,

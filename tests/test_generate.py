@@ -283,3 +283,25 @@ def _hf_greedy(hf, prompt, n, eos_token_ids):
     while expected and expected[-1] in eos_token_ids:
         expected.pop()
     return expected
+
+
+def test_bench_decode_loop_is_greedy_decoding(params):
+    """``bench forward`` times ``_decode_loop`` as plain decoding's inner loop: it must decode
+    exactly what greedy decoding decodes, and leave the cache end where it started."""
+    from eagle3_jax.bench.forward import _decode_loop
+    from eagle3_jax.model.params import to_serving
+    from eagle3_jax.model.target import KVCache, causal_mask
+
+    prompt = PROMPTS[0]
+    want = reference_greedy(params, prompt, N)
+    p, max_len = len(prompt), 32
+    serving = to_serving(params, CFG)
+    cache = KVCache.zeros(CFG, 1, max_len)
+    out = forward(serving, CFG, jnp.asarray([prompt]), jnp.arange(p)[None],
+                  causal_mask(cache.end, p, max_len), cache)
+    first = jnp.argmax(out.logits[:, -1:], axis=-1).astype(jnp.int32)  # [1, 1]
+    assert int(first[0, 0]) == want[0]
+    last, cache = _decode_loop(serving, out.cache.replace(end=jnp.array([p], jnp.int32)), first,
+                               CFG, N - 1)
+    assert int(last[0, 0]) == want[N - 1]
+    assert int(cache.end[0]) == p

@@ -98,8 +98,10 @@ def test_chunked_prefill_equals_full_forward():
 
     # The cache holds the same keys/values as a single full prefill.
     _, one_shot = _prefill(tokens, np.array([total, total]))
-    for got, want in ((cache.k, one_shot.k), (cache.v, one_shot.v)):  # L x [B, K, S, H]
-        np.testing.assert_allclose(np.stack(got)[:, :, :, :total], np.stack(want)[:, :, :, :total],
+    for got, want in ((cache.k, one_shot.k), (cache.v, one_shot.v)):  # k [B,K,H,S], v [B,K,S,H]
+        slot_axis = 3 if got is cache.k else 2
+        np.testing.assert_allclose(np.stack(got).take(np.arange(total), axis=1 + slot_axis),
+                                   np.stack(want).take(np.arange(total), axis=1 + slot_axis),
                                    atol=ATOL, rtol=0)
 
 
@@ -175,6 +177,6 @@ def test_writes_past_the_cache_end_are_dropped(overflow):
     positions = cache.end[:, None] + jnp.arange(4)
     out = jit_forward(SERVING, CFG, jnp.asarray(tokens), positions, causal_mask(cache.end, 4, 8),
                       cache)
-    k = np.stack(out.cache.k).swapaxes(2, 3)  # [L, B, K, S, H] -> [L, B, S, K, H]
+    k = np.stack(out.cache.k).transpose(0, 1, 4, 2, 3)  # [L, B, K, H, S] -> [L, B, S, K, H]
     assert not np.any(k[:, :, :4 + overflow]), "a write wrapped onto slots before end"
     assert np.all(np.any(k[:, :, 4 + overflow:] != 0, axis=(-1, -2))), "in-range slots not written"

@@ -23,8 +23,8 @@ from eagle3_jax.model.params import (init_params, is_spec, param_specs, serving_
                                      to_serving)
 from eagle3_jax.model.target import KVCache, causal_mask, forward
 from eagle3_jax.sharding import (
-    KV_CACHE_AXES, MeshConfig, MeshError, describe_fallbacks, make_mesh, named_sharding,
-    param_shardings,
+    KV_CACHE_K_AXES, KV_CACHE_V_AXES, MeshConfig, MeshError, describe_fallbacks, make_mesh,
+    named_sharding, param_shardings,
 )
 
 ATOL = 1e-5
@@ -227,11 +227,12 @@ def test_sharded_kv_cache_prefill_and_decode_match_single_device(name, shape):
     if cfg.num_kv_heads % 4 == 0:
         assert params["layers"][0]["wqkv"].sharding.spec[0] == "tensor"
     cache = KVCache.zeros(cfg, B, MAX_LEN)
-    put_layers = lambda bufs: tuple(_put(x, KV_CACHE_AXES, mesh, "serving") for x in bufs)  # noqa: E731
-    cache = KVCache(k=put_layers(cache.k), v=put_layers(cache.v),
+    cache = KVCache(k=tuple(_put(x, KV_CACHE_K_AXES, mesh, "serving") for x in cache.k),
+                    v=tuple(_put(x, KV_CACHE_V_AXES, mesh, "serving") for x in cache.v),
                     end=_put(cache.end, ("batch",), mesh, "serving"))
     kv_spec = P("data", "tensor" if cfg.num_kv_heads % 4 == 0 else None, None, None)
     assert cache.k[0].sharding.is_equivalent_to(NamedSharding(mesh, kv_spec), 4)
+    assert cache.v[0].sharding.is_equivalent_to(NamedSharding(mesh, kv_spec), 4)
     pre, step = prefill_and_step(params, cache, _put(tokens, ("batch", "seq"), mesh, "serving"),
                                  _put(positions, ("batch", "seq"), mesh, "serving"))
     # The updated cache keeps its placement, so a decode loop never reshards it.

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from eagle3_jax.draft.config import DraftConfig
-from eagle3_jax.draft.model import (draft_logits, draft_step_cached, finish_layer, fuse_taps,
+from eagle3_jax.draft.model import (draft_logits, draft_step_cached, empty_draft_cache,
+                                    finish_layer, fuse_taps,
                                     project_qkv)
 from eagle3_jax.draft.params import init_draft_params
 from eagle3_jax.draft.ttt import STEP_WEIGHT_DECAY, TTTBatch, ttt_forward
@@ -51,7 +52,7 @@ def _unrolled_reference(params, cfg, embed, batch):
         q, k, v = project_qkv(params, cfg, embed[tok], g, batch.positions + i)
         keys.append(k)
         values.append(v)
-        all_k = jnp.concatenate(keys, axis=1).transpose(0, 2, 1, 3)  # [B, K, (i+1)T, H]
+        all_k = jnp.concatenate(keys, axis=1).transpose(0, 2, 3, 1)  # [B, K, H, (i+1)T]
         all_v = jnp.concatenate(values, axis=1).transpose(0, 2, 1, 3)
         causal = (idx[:, None] >= idx[None, :])[None] & (seg[:, :, None] == seg[:, None, :])
         causal &= seg[:, :, None] > 0
@@ -108,8 +109,7 @@ def test_training_logits_equal_inference_step_by_step():
     # Step 0 over the whole context: slot s holds (feature f_s, token x_{s+1}) at position s.
     ctx_tok = np.zeros((1, T), np.int32)
     ctx_tok[0, :-1] = tokens[row, 1:]
-    cache_k = jnp.zeros((1, cfg.num_kv_heads, slots, cfg.head_dim))
-    cache_v = jnp.zeros_like(cache_k)
+    cache_k, cache_v = empty_draft_cache(cfg, 1, slots)
     mask0 = np.zeros((1, T, slots), bool)
     mask0[0, :, :T] = np.tril(np.ones((T, T), bool))
     g0 = fuse_taps(params, batch.taps[row:row + 1])

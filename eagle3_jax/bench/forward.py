@@ -3,6 +3,9 @@
 Measures, on the running machine:
   * one decode step (T = 1) and a forward of T = 2, 4, ..., 64 new tokens over a 256-token cache:
     the cost curve that sizes draft trees (a tree of T tokens costs about forward(T));
+  * the per-token time of plain decoding's inner loop: ``LOOP_STEPS`` greedy decode steps in one
+    jitted ``lax.fori_loop`` from the same cache (no per-call dispatch, no prefill), interleaved
+    with the forwards;
   * the memory-bandwidth floor of a decode step: parameter bytes / bandwidth measured in the same
     run (a jitted full read of an array as large as the parameters);
   * greedy tokens/s of ``eagle3_jax.decoding.generate`` against HF transformers float32 greedy
@@ -42,6 +45,28 @@ def _forward_step(params, cache, tokens, cfg):
     return out.logits, out.cache
 
 
+LOOP_STEPS = 16
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "steps"), donate_argnames=("cache",))
+def _decode_loop(params, cache, token, cfg, steps):
+    """``steps`` greedy decode steps from ``cache`` in one ``lax.fori_loop``; token [B, 1].
+
+    Returns (last token [B, 1], cache with ``end`` moved back to where it started, so the next
+    call decodes over the same context length).
+    """
+    start = cache.end
+
+    def step(_, carry):
+        token, cache = carry
+        logits, cache = _forward_step(params, cache, token, cfg)
+        token = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
+        return token, cache.replace(end=cache.end + 1)
+
+    token, cache = jax.lax.fori_loop(0, steps, step, (token, cache))
+    return token, cache.replace(end=start)
+
+
 def measure_bandwidth(num_bytes: int, repeats: int) -> float:
     """Bytes/s of a jitted reduction that reads an array of ``num_bytes`` once."""
     x = jnp.ones((num_bytes // 4,), jnp.float32)
@@ -50,9 +75,11 @@ def measure_bandwidth(num_bytes: int, repeats: int) -> float:
     return num_bytes / seconds
 
 
-def forward_curve(params, cfg, context: int, sizes, repeats: int) -> dict[int, float]:
-    """Median seconds of a forward over ``T in sizes`` new tokens after ``context`` cached."""
-    max_len = context + max(sizes)
+def forward_curve(params, cfg, context: int, sizes, repeats: int,
+                  loop_steps: int = 0) -> dict[int | str, float]:
+    """Median seconds of a forward over ``T in sizes`` new tokens after ``context`` cached; with
+    ``loop_steps``, also the seconds per token of :func:`_decode_loop` (key "loop")."""
+    max_len = context + max(max(sizes), loop_steps)
     caches = {}
     fns = {}
     for t in sizes:
@@ -63,7 +90,19 @@ def forward_curve(params, cfg, context: int, sizes, repeats: int) -> dict[int, f
             logits, caches[t] = _forward_step(params, caches[t], tokens, cfg)
             return logits
         fns[t] = run
-    return interleaved_medians(fns, repeats, warmup=2)
+    if loop_steps:
+        caches["loop"] = KVCache.zeros(cfg, 1, max_len).replace(
+            end=jnp.full((1,), context, jnp.int32))
+
+        def loop():
+            token, caches["loop"] = _decode_loop(params, caches["loop"],
+                                                 jnp.ones((1, 1), jnp.int32), cfg, loop_steps)
+            return token
+        fns["loop"] = loop
+    medians = interleaved_medians(fns, repeats, warmup=2)
+    if loop_steps:
+        medians["loop"] /= loop_steps
+    return medians
 
 
 def greedy_speed(loaded, hf_model, max_new_tokens: int, repeats: int):
@@ -153,17 +192,21 @@ def main(argv=None) -> int:
     print(f"target {loaded.source}: {cfg.num_params / 1e6:.1f}M params, {nbytes / 2**20:.0f} MiB",
           file=sys.stderr)
     bandwidth = measure_bandwidth(nbytes, args.repeats)
-    curve = forward_curve(params, cfg, args.context, sizes, args.repeats)
+    curve = forward_curve(params, cfg, args.context, sizes, args.repeats, loop_steps=LOOP_STEPS)
     floor = nbytes / bandwidth
     rows = [(t, curve[t] * 1e3, curve[t] / curve[1]) for t in sizes]
     print(markdown_table(["T new tokens", "ms / forward", "x decode step"], rows))
     print(f"\nbandwidth {bandwidth / 1e9:.2f} GB/s -> decode floor {floor * 1e3:.2f} ms; "
-          f"decode step {curve[1] * 1e3:.2f} ms = {curve[1] / floor:.2f}x floor")
+          f"decode step {curve[1] * 1e3:.2f} ms = {curve[1] / floor:.2f}x floor; "
+          f"in the jitted decode loop {curve['loop'] * 1e3:.2f} ms/token = "
+          f"{curve['loop'] / floor:.2f}x floor")
     result = {
         "machine": machine_description(), "target": loaded.source, "param_bytes": nbytes,
         "context": args.context, "forward_ms": {str(t): curve[t] * 1e3 for t in sizes},
         "bandwidth_gb_s": bandwidth / 1e9, "decode_floor_ms": floor * 1e3,
         "decode_step_over_floor": curve[1] / floor,
+        "decode_loop_ms_per_token": curve["loop"] * 1e3,
+        "decode_loop_over_floor": curve["loop"] / floor,
     }
     if not args.skip_hf:
         hf = load_hf_reference(loaded.weights)

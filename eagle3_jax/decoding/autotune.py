@@ -218,12 +218,11 @@ def measure_draft_steps(head, embed, context: int, widths: Sequence[int],
     import jax.numpy as jnp
 
     from eagle3_jax.bench.common import interleaved_medians
-    from eagle3_jax.draft.model import draft_step_cached
+    from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache
 
     dcfg = head.cfg
     slots = context + max(widths)
-    # Draft KV cache, head-major like decoding's: [B, K, S, H].
-    cache = jnp.zeros((1, dcfg.num_kv_heads, slots, dcfg.head_dim), jnp.dtype(dcfg.dtype))
+    cache_k, cache_v = empty_draft_cache(dcfg, 1, slots)
     step = jax.jit(functools.partial(draft_step_cached, cfg=dcfg))
     fns = {}
     for w in widths:
@@ -234,7 +233,7 @@ def measure_draft_steps(head, embed, context: int, widths: Sequence[int],
 
         def run(tokens=tokens, g=g, pos=pos, mask=mask):
             return step(head.params, embeds=jnp.take(embed, tokens, axis=0), g=g, positions=pos,
-                        mask=mask, cache_k=cache, cache_v=cache, write_slots=pos)
+                        mask=mask, cache_k=cache_k, cache_v=cache_v, write_slots=pos)
         fns[w] = run
     return interleaved_medians(fns, repeats, warmup=1)
 

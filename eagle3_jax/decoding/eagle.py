@@ -32,7 +32,7 @@ from eagle3_jax.decoding.batching import bucket
 from eagle3_jax.decoding.sampling import SamplingParams, sample
 from eagle3_jax.decoding.tree import TreeConfig, build_tree
 from eagle3_jax.decoding.verify import accept, commit_path, verify_forward
-from eagle3_jax.draft.model import draft_step_cached, fuse_taps
+from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache, fuse_taps
 from eagle3_jax.draft.params import DraftHead
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import Params
@@ -42,8 +42,8 @@ from eagle3_jax.model.target import KVCache, causal_mask, forward
 @struct.dataclass
 class EagleState:
     cache: KVCache  # target cache; end[b] = n
-    draft_k: jax.Array  # [B, K, Sd, H]
-    draft_v: jax.Array
+    draft_k: jax.Array  # [B, K, H, Sd]
+    draft_v: jax.Array  # [B, K, Sd, H]
     root: jax.Array  # [B] last emitted token (not yet in either cache)
     root_logp: jax.Array  # [B, Vd] draft log-probs for the root's children
     root_h: jax.Array  # [B, D] draft feature at the context's last index
@@ -98,7 +98,7 @@ def _draft_extend(head: DraftHead, embed, taps, next_tokens, count, draft_k, dra
     """
     b, w = next_tokens.shape
     positions = end[:, None] + jnp.arange(w)[None, :]
-    mask = causal_mask(end, w, draft_k.shape[2])
+    mask = causal_mask(end, w, draft_v.shape[2])
     g = fuse_taps(head.params, taps)
     h, logits, draft_k, draft_v = draft_step_cached(
         head.params, head.cfg, jnp.take(embed, jnp.maximum(next_tokens, 0), axis=0), g,
@@ -125,9 +125,9 @@ def _prefill(target_params, head: DraftHead, prompt_tokens, prompt_lengths, key,
     shifted = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
     shifted = jnp.where(jnp.arange(p)[None] == last, first[:, None], shifted)
     draft_len = max_len + tree_cfg.draft_slots
-    zeros = jnp.zeros((b, dcfg.num_kv_heads, draft_len, dcfg.head_dim), jnp.dtype(dcfg.dtype))
+    empty_k, empty_v = empty_draft_cache(dcfg, b, draft_len)
     root_h, root_logp, draft_k, draft_v = _draft_extend(
-        head, target_params["embed"], out.taps, shifted, prompt_lengths, zeros, zeros,
+        head, target_params["embed"], out.taps, shifted, prompt_lengths, empty_k, empty_v,
         jnp.zeros((b,), jnp.int32))
     width = tree_cfg.depth + 1
     state = EagleState(

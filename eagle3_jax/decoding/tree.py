@@ -133,7 +133,8 @@ def build_tree(
       root_tokens: [B] the token the target produced last (tree index 0).
       root_logp: [B, Vd] draft log-probabilities for the root's children.
       root_h: [B, D] the draft's output feature at the context's last index.
-      cache_k, cache_v: [B, K, Sd, H] draft KV cache; slots [0, end) are the context.
+      cache_k [B, K, H, Sd], cache_v [B, K, Sd, H]: draft KV cache; slots [0, end) are the
+        context.
       end: [B] committed draft context length (the root's draft position is end - 1).
     Returns:
       DraftTree with N = total_tokens nodes (candidate scratch slots are not returned).
@@ -143,7 +144,7 @@ def build_tree(
     d2t = vocab.draft_to_target
     num_cand = tree_cfg.num_candidates
     tree_slots = max((depth - 1) * k, 1)
-    slots = jnp.arange(cache_k.shape[2])
+    slots = jnp.arange(cache_v.shape[2])
 
     scores, ids = jax.lax.top_k(root_logp, k)  # [B, k]
     cand_tokens = [d2t[ids]]

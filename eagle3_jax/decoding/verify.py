@@ -108,8 +108,9 @@ def commit_path(cache: KVCache, path: jax.Array, active: jax.Array) -> KVCache:
     valid = path >= 0
     src = cache.end[:, None] + jnp.maximum(path, 0)
     dst = jnp.where(valid, cache.end[:, None] + jnp.arange(width)[None, :], cache.max_len)
-    # Each layer's cache [B, K, S, H]: [rows, :, slots] gathers/scatters [B, P, K, H] blocks.
-    move = lambda buf: buf.at[rows, :, dst].set(buf[rows, :, src], mode="drop")  # noqa: E731
-    k, v = tuple(map(move, cache.k)), tuple(map(move, cache.v))
+    # k [B, K, H, S] via [rows, :, :, slots], v [B, K, S, H] via [rows, :, slots]: both gather
+    # and scatter [B, P, K, H] blocks.
+    k = tuple(buf.at[rows, :, :, dst].set(buf[rows, :, :, src], mode="drop") for buf in cache.k)
+    v = tuple(buf.at[rows, :, dst].set(buf[rows, :, src], mode="drop") for buf in cache.v)
     new_end = cache.end + jnp.where(active, jnp.sum(valid, axis=1), 0).astype(jnp.int32)
     return dataclasses.replace(cache, k=k, v=v, end=new_end)

@@ -53,6 +53,13 @@ def draft_logits(params: Params, cfg: DraftConfig, h: jax.Array) -> jax.Array:
     return jnp.einsum("BTD,DV->BTV", x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
+def empty_draft_cache(cfg: DraftConfig, batch: int, slots: int) -> tuple[jax.Array, jax.Array]:
+    """A zeroed draft KV cache: (k [B, K, H, S], v [B, K, S, H]), the layouts attention reads."""
+    dtype = jnp.dtype(cfg.dtype)
+    return (jnp.zeros((batch, cfg.num_kv_heads, cfg.head_dim, slots), dtype),
+            jnp.zeros((batch, cfg.num_kv_heads, slots, cfg.head_dim), dtype))
+
+
 def draft_step_cached(params: Params, cfg: DraftConfig, embeds: jax.Array, g: jax.Array,
                       positions: jax.Array, mask: jax.Array, cache_k: jax.Array,
                       cache_v: jax.Array, write_slots: jax.Array):
@@ -61,13 +68,15 @@ def draft_step_cached(params: Params, cfg: DraftConfig, embeds: jax.Array, g: ja
     Args:
       embeds, g: [B, T, D]; positions: [B, T].
       mask: [B, T, S] bool over cache slots (after this step's keys are written).
-      cache_k, cache_v: [B, K, S, H]; write_slots: [B, T] slots for this step's keys.
+      cache_k: [B, K, H, S]; cache_v: [B, K, S, H] (``empty_draft_cache``).
+      write_slots: [B, T] slots for this step's keys.
     Returns:
       (h [B, T, D], logits [B, T, Vd], cache_k, cache_v).
     """
     q, k, v = project_qkv(params, cfg, embeds, g, positions)
     rows = jnp.arange(k.shape[0])[:, None]
-    cache_k = cache_k.at[rows, :, write_slots].set(k, mode="drop")  # k: [B, T, K, H]
+    # Both index expressions address [B, T, K, H] blocks, the layout of k and v here.
+    cache_k = cache_k.at[rows, :, :, write_slots].set(k, mode="drop")
     cache_v = cache_v.at[rows, :, write_slots].set(v, mode="drop")
     h = finish_layer(params, cfg, g, attention(q, [(cache_k, cache_v, mask)]))
     return h, draft_logits(params, cfg, h), cache_k, cache_v

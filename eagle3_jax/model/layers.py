@@ -58,10 +58,11 @@ def attention(q: jax.Array, blocks: Sequence[tuple[jax.Array, jax.Array, jax.Arr
 
     Args:
       q: [B, T, N, H] queries (already rotated).
-      blocks: ``(k, v, mask)`` triples: keys/values [B, K, S_i, H] head-major (the layout of the
-        KV caches, so the matmuls read them without a transpose) and mask [B, T, S_i] bool, True
-        where query t may attend slot s. The target passes its cache and the new tokens as two
-        blocks, so the cache is only read here and written once after the forward.
+      blocks: ``(k, v, mask)`` triples: keys [B, K, H, S_i] (slots last, so the score matmul
+        streams each key row contiguously), values [B, K, S_i, H], and mask [B, T, S_i] bool,
+        True where query t may attend slot s. This is the layout of the KV caches, so neither is
+        transposed here. The target passes its cache and the new tokens as two blocks, so the
+        cache is only read here and written once after the forward.
     Returns:
       [B, T, N, H].
     """
@@ -72,14 +73,14 @@ def attention(q: jax.Array, blocks: Sequence[tuple[jax.Array, jax.Array, jax.Arr
     qg = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, h)
     scores = []
     for k, _, mask in blocks:
-        s = jnp.einsum("BKQH,BKSH->BKQS", qg, k, preferred_element_type=jnp.float32)
+        s = jnp.einsum("BKQH,BKHS->BKQS", qg, k, preferred_element_type=jnp.float32)
         m = jnp.broadcast_to(mask[:, None, None], (b, kv_heads, g, t, mask.shape[-1]))
         scores.append(jnp.where(m.reshape(b, kv_heads, g * t, -1), s / math.sqrt(h),
                                 jnp.finfo(jnp.float32).min))
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
     out, start = 0.0, 0
     for k, v, _ in blocks:
-        size = k.shape[2]
+        size = k.shape[3]
         p = probs[..., start:start + size].astype(v.dtype)
         out = out + jnp.einsum("BKQS,BKSH->BKQH", p, v)
         start += size

@@ -7,9 +7,10 @@ serving layout (``to_serving``, what ``load_target`` gives for decoding) runs as
 
 KV cache (fixed size, functional)::
 
-    KVCache.k, .v  L arrays [B, K, S, H]   S = max_len slots per row, head-major (see attention);
-                                           one buffer per layer, so each is read and updated in
-                                           place without slicing a stack
+    KVCache.k      L arrays [B, K, H, S]   S = max_len slots per row; keys slots-last and
+    KVCache.v      L arrays [B, K, S, H]   values head-major, the layouts ``attention`` reads
+                                           without a transpose; one buffer per layer, so each is
+                                           read and updated in place without slicing a stack
     KVCache.end    [B] int32               slots [0, end) hold committed tokens
 
 ``forward`` writes the T new keys/values of row b at slots ``[end[b], end[b] + T)`` and does not
@@ -33,20 +34,21 @@ from eagle3_jax.model.params import Params, is_serving, to_serving_layer
 
 @struct.dataclass
 class KVCache:
-    k: tuple[jax.Array, ...]  # L arrays [B, K, S, H]
+    k: tuple[jax.Array, ...]  # L arrays [B, K, H, S]
     v: tuple[jax.Array, ...]  # L arrays [B, K, S, H]
     end: jax.Array  # [B] int32
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        return self.v[0].shape[2]
 
     @classmethod
     def zeros(cls, cfg: TargetConfig, batch: int, max_len: int) -> "KVCache":
-        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        dtype = jnp.dtype(cfg.dtype)
-        empty = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
-        return cls(empty(), empty(), jnp.zeros((batch,), jnp.int32))
+        k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
+        v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        empty = lambda shape: tuple(jnp.zeros(shape, jnp.dtype(cfg.dtype))  # noqa: E731
+                                    for _ in range(cfg.num_layers))
+        return cls(empty(k_shape), empty(v_shape), jnp.zeros((batch,), jnp.int32))
 
 
 @struct.dataclass
@@ -80,12 +82,12 @@ def split_cache_mask(mask: jax.Array, cache_end: jax.Array, num_new: int):
 
 def _layer(p: Params, cfg: TargetConfig, h: jax.Array, positions: jax.Array,
            inv_freq: jax.Array, new_mask: jax.Array, past) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One decoder layer in the serving layout: h [B, T, D] -> (h, k, v [B, K, T, H]).
+    """One decoder layer in the serving layout: h [B, T, D] -> (h, k [B, K, H, T], v [B, K, T, H]).
 
     ``p`` holds one layer's weights as ``eagle3_jax.model.params.serving_layer_specs`` lays them
     out: q/k/v and gate/up fused, every matrix [out, in], applied as 2-D matmuls over the last
-    (contiguous) axis. ``past`` is None or ``(k, v, mask)``: this layer's cache [B, K, S, H]
-    and the mask over it.
+    (contiguous) axis. ``past`` is None or ``(k, v, mask)``: this layer's cache (k [B, K, H, S],
+    v [B, K, S, H]) and the mask over it.
     """
     b, t, d = h.shape
     n, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -99,8 +101,8 @@ def _layer(p: Params, cfg: TargetConfig, h: jax.Array, positions: jax.Array,
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq).transpose(0, 2, 1, 3)  # [B, K, T, H]
-    v = v.transpose(0, 2, 1, 3)
+    k = apply_rope(k, positions, inv_freq).transpose(0, 2, 3, 1)  # [B, K, H, T]
+    v = v.transpose(0, 2, 1, 3)  # [B, K, T, H]
     blocks = [(k, v, new_mask)] if past is None else [past, (k, v, new_mask)]
     attn = attention(q, blocks).reshape(b, t, n * hd)
     h = h + jnp.einsum("BTO,DO->BTD", attn, p["wo"].reshape(d, n * hd))
@@ -195,23 +197,24 @@ def forward(
 
 
 def _write_cache(cache: KVCache, new_k, new_v, after: jax.Array) -> KVCache:
-    """Write each layer's new keys/values [B, K, T, H] at slots [end, end + T) of its cache.
+    """Write each layer's new keys [B, K, H, T] / values [B, K, T, H] at slots [end, end + T).
 
     Out-of-range slots are dropped; decoders stop before the cache is full. The values are made
     to depend on ``after`` (the final hidden state, [B, T, D]; adding 0 changes nothing for finite
     values) so XLA orders every write after every read of the cache and updates the buffers in
     place instead of copying each layer's cache every step.
     """
-    b, _, t, _ = new_k[0].shape
+    b, t = after.shape[:2]
     rows = jnp.arange(b)[:, None]
     slots = cache.end[:, None] + jnp.arange(t)[None, :]  # [B, T]
-    order = (0 * after[:, None, :, :1]).astype(new_k[0].dtype)  # [B, 1, T, 1]
-
-    def write(buf, new):  # buf [B, K, S, H]; [rows, :, slots] addresses [B, T, K, H] blocks
-        return buf.at[rows, :, slots].set((new + order).transpose(0, 2, 1, 3), mode="drop")
-
-    return dataclasses.replace(cache, k=tuple(map(write, cache.k, new_k)),
-                               v=tuple(map(write, cache.v, new_v)))
+    order = (0 * after[:, :, None, :1]).astype(new_v[0].dtype)  # [B, T, 1, 1]
+    # Both index expressions address [B, T, K, H] blocks: [rows, :, :, slots] in k [B, K, H, S]
+    # (advanced indices apart, so theirs come first), [rows, :, slots] in v [B, K, S, H].
+    k = tuple(buf.at[rows, :, :, slots].set(new.transpose(0, 3, 1, 2) + order, mode="drop")
+              for buf, new in zip(cache.k, new_k))
+    v = tuple(buf.at[rows, :, slots].set(new.transpose(0, 2, 1, 3) + order, mode="drop")
+              for buf, new in zip(cache.v, new_v))
+    return dataclasses.replace(cache, k=k, v=v)
 
 
 def output_logits(params: Params, cfg: TargetConfig, hidden: jax.Array) -> jax.Array:

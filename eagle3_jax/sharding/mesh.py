@@ -42,8 +42,10 @@ SERVING_RULES: Mapping[str, tuple[str, ...]] = {
 }
 RULES = {"training": TRAINING_RULES, "serving": SERVING_RULES}
 
-# Axes of one layer's KV cache [B, K, S, H] (``KVCache.k`` / ``.v`` hold one per layer).
-KV_CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
+# Axes of one layer's KV cache (``KVCache.k`` / ``.v`` hold one per layer): keys [B, K, H, S],
+# values [B, K, S, H].
+KV_CACHE_K_AXES = ("batch", "kv_heads", "head_dim", "cache_seq")
+KV_CACHE_V_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
 
 
 class MeshError(ValueError):
