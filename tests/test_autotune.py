@@ -59,6 +59,15 @@ def test_linear_cost_curve_picks_a_small_tree():
         expected_accept_length(choice.tree, default_accept_rates(choice.tree.depth)))
 
 
+def test_a_tree_slower_than_plain_decoding_says_so():
+    # A weak head on a steep curve: the best tree still loses to one decode step per token.
+    costs = CostModel(target={t: 0.010 + 0.010 * t for t in SIZES}, draft=CHEAP_DRAFT)
+    weak = select_tree(costs, [0.1])
+    assert weak.predicted_speedup < 1 and "--mode vanilla is faster" in weak.describe()
+    strong = select_tree(CostModel(target={t: 0.010 for t in SIZES}, draft=CHEAP_DRAFT), [0.9])
+    assert "vanilla" not in strong.describe()
+
+
 def test_better_heads_and_cheaper_drafts_grow_the_tree():
     costs = CostModel(target={t: 0.010 + 0.0005 * t for t in SIZES}, draft=CHEAP_DRAFT)
     weak = select_tree(costs, [0.3])
@@ -97,6 +106,8 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
     assert autotune.measure_costs(params, cfg, head, 16, **kw) == costs
     choice = autotune.select_tree(costs, top_k=2)
     assert choice.tree.top_k == 2 and 2 <= choice.tree.total_tokens <= 4
-    # Another target config is another file.
+    # Another target config is another file, and so is a change to the timed code.
     other = TargetConfig(**{**cfg.to_dict(), "num_layers": 5})
     assert autotune.cache_path(other) != path
+    monkeypatch.setattr(autotune, "code_digest", lambda: "edited-forward")
+    assert autotune.cache_path(cfg) != path

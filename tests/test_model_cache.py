@@ -54,6 +54,22 @@ def _prefill(tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, KVCac
     return np.asarray(out.logits), out.cache.replace(end=jnp.asarray(lengths, jnp.int32))
 
 
+def test_prefill_that_skips_the_empty_cache_changes_nothing():
+    """``cache_is_empty=True`` (the decoders' prefill) leaves out the fully masked cache block:
+    the logits and the written cache equal a prefill that reads it."""
+    tokens = jnp.asarray(np.random.default_rng(7).integers(0, CFG.vocab_size, (2, 9)))
+    cache = KVCache.zeros(CFG, 2, MAX_LEN)
+    args = (SERVING, CFG, tokens, jnp.broadcast_to(jnp.arange(9), (2, 9)),
+            causal_mask(cache.end, 9, MAX_LEN), cache)
+    read = jit_forward(*args)
+    skipped = jax.jit(forward, static_argnums=1, static_argnames="cache_is_empty")(
+        *args, cache_is_empty=True)
+    np.testing.assert_allclose(np.asarray(skipped.logits), np.asarray(read.logits), atol=ATOL,
+                               rtol=0)
+    for got, want in zip(skipped.cache.k + skipped.cache.v, read.cache.k + read.cache.v):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=ATOL, rtol=0)
+
+
 def test_prefill_then_decode_steps_equal_full_forward_with_ragged_rows():
     rng = np.random.default_rng(0)
     lengths = np.array([5, 9, 2])

@@ -25,8 +25,9 @@ The model (batch 1, greedy)::
   rate times 0.9 per level.
 
 Costs are cached per machine and model in ``$EAGLE3_JAX_HOME/autotune/<key>.json``, key a hash
-of the platform, device kind and target config; draft steps are stored under a hash of the
-draft config inside the same file. A flat cost curve (accelerators, memory bound) picks a big
+of the platform, device kind, target config, JAX version and the source of the code being timed
+(``COST_SOURCES``: a faster forward must not be judged by old numbers); draft steps are stored
+under a hash of the draft config inside the same file. A flat cost curve (accelerators, memory bound) picks a big
 tree, a steep one (CPUs, compute bound) a small one.
 """
 
@@ -135,10 +136,15 @@ class TreeChoice:
 
     def describe(self) -> str:
         t = self.tree
-        return (f"top_k={t.top_k} depth={t.depth} total_tokens={t.total_tokens}: modelled "
+        text = (f"top_k={t.top_k} depth={t.depth} total_tokens={t.total_tokens}: modelled "
                 f"tau {self.expected_accept_length:.2f}, {self.seconds_per_round * 1e3:.2f} ms "
                 f"per round, {self.tokens_per_s:.1f} tokens/s vs plain "
                 f"{self.plain_tokens_per_s:.1f} ({self.predicted_speedup:.2f}x)")
+        if self.predicted_speedup < 1:
+            text += ("; no tree is predicted to beat plain decoding here: a verification "
+                     "forward costs too much more than a decode step on this device, or the "
+                     "head accepts too little (--mode vanilla is faster)")
+        return text
 
 
 def select_tree(costs: CostModel, rates: Sequence[float] | None = None, *,
@@ -183,14 +189,29 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+# The code whose speed the cost model measures (paths under the package).
+COST_SOURCES = ("model/target.py", "model/layers.py", "model/params.py", "draft/model.py",
+                "decoding/tree.py", "bench/forward.py")
+
+
+def code_digest() -> str:
+    """A hash of ``COST_SOURCES``: changes whenever the timed code does."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for rel in COST_SOURCES:
+        h.update((root / rel).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def machine_key(cfg) -> dict:
-    """What the measurements depend on: platform, device kind, target config."""
+    """What the measurements depend on: platform, device kind, target config, JAX and our code."""
     import jax
 
     device = jax.devices()[0]
     return {"platform": platform.platform(), "machine": platform.machine(),
             "backend": jax.default_backend(), "device_kind": device.device_kind,
-            "target_config": dataclasses.asdict(cfg)}
+            "target_config": dataclasses.asdict(cfg), "jax": jax.__version__,
+            "code": code_digest()}
 
 
 def cache_path(cfg, directory: str | Path | None = None) -> Path:

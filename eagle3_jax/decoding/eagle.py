@@ -117,7 +117,7 @@ def _prefill(target_params, head: DraftHead, prompt_tokens, prompt_lengths, key,
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
     last = jnp.maximum(prompt_lengths - 1, 0)[:, None]
     out = forward(target_params, cfg, prompt_tokens, positions, causal_mask(cache.end, p, max_len),
-                  cache, tap_layers=dcfg.tap_layers, logit_positions=last)
+                  cache, tap_layers=dcfg.tap_layers, logit_positions=last, cache_is_empty=True)
     first = sample(jax.random.fold_in(key, 0), out.logits[:, 0], sampling)
     cache = dataclasses.replace(out.cache, end=prompt_lengths.astype(jnp.int32))
     # Draft prefill: entry s pairs the tap f_s with x_{s+1}; the last real entry pairs with the

@@ -103,7 +103,8 @@ def _prefill(params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None, :], (b, p))
     mask = causal_mask(cache.end, p, max_len)  # [B, P, S]
     last = jnp.maximum(prompt_lengths - 1, 0)[:, None]  # [B, 1]
-    out = forward(params, cfg, prompt_tokens, positions, mask, cache, logit_positions=last)
+    out = forward(params, cfg, prompt_tokens, positions, mask, cache, logit_positions=last,
+                  cache_is_empty=True)
     # Pad tokens were written to slots [len, P); ending the cache at len lets decoding
     # overwrite them, and the causal mask (slot <= end) never shows them to anyone.
     cache = dataclasses.replace(out.cache, end=prompt_lengths.astype(jnp.int32))

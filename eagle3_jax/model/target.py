@@ -123,6 +123,7 @@ def forward(
     tap_layers: Sequence[int] = (),
     logit_positions: jax.Array | None = None,
     compute_logits: bool = True,
+    cache_is_empty: bool = False,
 ) -> ForwardOutput:
     """Run the target over T new tokens.
 
@@ -138,6 +139,10 @@ def forward(
       tap_layers: return the hidden states *entering* these layers (EAGLE-3: 2, L//2, L-3).
       logit_positions: [B, P] indices into T; compute logits only there (saves the vocab matmul).
       compute_logits: False skips the output head entirely (feature extraction).
+      cache_is_empty: the cache holds nothing yet (a prefill from scratch): attention skips the
+        cache block, which would be fully masked. Results are the same; XLA is spared
+        constant-folding a fully masked [B, K, G*T, S] block, which takes seconds of compile
+        time for long prompts.
     Returns:
       ForwardOutput with float32 logits, the updated cache, taps and the final hidden state.
     """
@@ -177,7 +182,9 @@ def forward(
             for j, tap in enumerate(tap_layers):
                 if index == tap:
                     taps[j] = h
-            past = None if cache is None else (cache.k[index], cache.v[index], past_mask)
+            past = None
+            if cache is not None and not cache_is_empty:
+                past = (cache.k[index], cache.v[index], past_mask)
             h, k, v = _layer(p, cfg, h, positions, inv_freq, new_mask, past)
             new_k.append(k)
             new_v.append(v)
