@@ -290,18 +290,15 @@ def test_bench_decode_loop_is_greedy_decoding(params):
     exactly what greedy decoding decodes, and leave the cache end where it started."""
     from eagle3_jax.bench.forward import _decode_loop
     from eagle3_jax.model.params import to_serving
-    from eagle3_jax.model.target import KVCache, causal_mask
+    from eagle3_jax.model.target import prefill
 
     prompt = PROMPTS[0]
     want = reference_greedy(params, prompt, N)
-    p, max_len = len(prompt), 32
+    p = len(prompt)
     serving = to_serving(params, CFG)
-    cache = KVCache.zeros(CFG, 1, max_len)
-    out = forward(serving, CFG, jnp.asarray([prompt]), jnp.arange(p)[None],
-                  causal_mask(cache.end, p, max_len), cache)
+    out = prefill(serving, CFG, jnp.asarray([prompt]), jnp.array([p]), 32)
     first = jnp.argmax(out.logits[:, -1:], axis=-1).astype(jnp.int32)  # [1, 1]
     assert int(first[0, 0]) == want[0]
-    last, cache = _decode_loop(serving, out.cache.replace(end=jnp.array([p], jnp.int32)), first,
-                               CFG, N - 1)
+    last, cache = _decode_loop(serving, out.cache, first, CFG, N - 1)
     assert int(last[0, 0]) == want[N - 1]
     assert int(cache.end[0]) == p

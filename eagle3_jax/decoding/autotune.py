@@ -27,8 +27,8 @@ The model (batch 1, greedy)::
 Costs are cached per machine and model in ``$EAGLE3_JAX_HOME/autotune/<key>.json``, key a hash
 of the platform, device kind, target config, JAX version and the source of the code being timed
 (``COST_SOURCES``: a faster forward must not be judged by old numbers); draft steps are stored
-under a hash of the draft config inside the same file. A flat cost curve (accelerators, memory bound) picks a big
-tree, a steep one (CPUs, compute bound) a small one.
+under a hash of the draft config inside the same file. A flat cost curve (accelerators, memory
+bound) picks a big tree, a steep one (CPUs, compute bound) a small one.
 """
 
 from __future__ import annotations
@@ -194,6 +194,7 @@ COST_SOURCES = ("model/target.py", "model/layers.py", "model/params.py", "draft/
                 "decoding/tree.py", "bench/forward.py")
 
 
+@functools.lru_cache(maxsize=1)
 def code_digest() -> str:
     """A hash of ``COST_SOURCES``: changes whenever the timed code does."""
     root = Path(__file__).resolve().parents[1]

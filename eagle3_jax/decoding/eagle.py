@@ -36,7 +36,7 @@ from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache, fuse_ta
 from eagle3_jax.draft.params import DraftHead
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import Params
-from eagle3_jax.model.target import KVCache, causal_mask, forward
+from eagle3_jax.model.target import KVCache, causal_mask, prefill
 
 
 @struct.dataclass
@@ -113,13 +113,11 @@ def _prefill(target_params, head: DraftHead, prompt_tokens, prompt_lengths, key,
              tree_cfg: TreeConfig, sampling, eos_token_ids, max_new_tokens, max_len):
     b, p = prompt_tokens.shape
     dcfg = head.cfg
-    cache = KVCache.zeros(cfg, b, max_len)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
-    last = jnp.maximum(prompt_lengths - 1, 0)[:, None]
-    out = forward(target_params, cfg, prompt_tokens, positions, causal_mask(cache.end, p, max_len),
-                  cache, tap_layers=dcfg.tap_layers, logit_positions=last, cache_is_empty=True)
+    out = prefill(target_params, cfg, prompt_tokens, prompt_lengths, max_len,
+                  tap_layers=dcfg.tap_layers)
     first = sample(jax.random.fold_in(key, 0), out.logits[:, 0], sampling)
-    cache = dataclasses.replace(out.cache, end=prompt_lengths.astype(jnp.int32))
+    cache = out.cache
+    last = jnp.maximum(prompt_lengths - 1, 0)[:, None]
     # Draft prefill: entry s pairs the tap f_s with x_{s+1}; the last real entry pairs with the
     # token just sampled.
     shifted = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)

@@ -35,7 +35,7 @@ from eagle3_jax.decoding.batching import bucket
 from eagle3_jax.decoding.sampling import SamplingParams, sample
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import Params
-from eagle3_jax.model.target import KVCache, causal_mask, forward
+from eagle3_jax.model.target import KVCache, causal_mask, forward, prefill
 
 
 @struct.dataclass
@@ -98,19 +98,11 @@ def _prefill(params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array
              sampling: SamplingParams, eos_token_ids: tuple[int, ...],
              max_len: int) -> DecodeState:
     """Run all P (right-padded) prompt tokens at once and sample each row's first token."""
-    b, p = prompt_tokens.shape
-    cache = KVCache.zeros(cfg, b, max_len)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None, :], (b, p))
-    mask = causal_mask(cache.end, p, max_len)  # [B, P, S]
-    last = jnp.maximum(prompt_lengths - 1, 0)[:, None]  # [B, 1]
-    out = forward(params, cfg, prompt_tokens, positions, mask, cache, logit_positions=last,
-                  cache_is_empty=True)
-    # Pad tokens were written to slots [len, P); ending the cache at len lets decoding
-    # overwrite them, and the causal mask (slot <= end) never shows them to anyone.
-    cache = dataclasses.replace(out.cache, end=prompt_lengths.astype(jnp.int32))
+    b = prompt_tokens.shape[0]
+    out = prefill(params, cfg, prompt_tokens, prompt_lengths, max_len)
     token = sample(jax.random.fold_in(key, 0), out.logits[:, 0], sampling)
     state = DecodeState(
-        cache=cache,
+        cache=out.cache,
         last_token=jnp.zeros((b,), jnp.int32),
         step=jnp.zeros((), jnp.int32),
         num_generated=jnp.zeros((b,), jnp.int32),

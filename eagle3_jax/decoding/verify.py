@@ -22,6 +22,7 @@ from flax import struct
 from eagle3_jax.decoding.sampling import SamplingParams, probs
 from eagle3_jax.decoding.tree import DraftTree
 from eagle3_jax.model.config import TargetConfig
+from eagle3_jax.model.layers import read_kv, write_kv
 from eagle3_jax.model.params import Params
 from eagle3_jax.model.target import KVCache, forward
 
@@ -108,9 +109,8 @@ def commit_path(cache: KVCache, path: jax.Array, active: jax.Array) -> KVCache:
     valid = path >= 0
     src = cache.end[:, None] + jnp.maximum(path, 0)
     dst = jnp.where(valid, cache.end[:, None] + jnp.arange(width)[None, :], cache.max_len)
-    # k [B, K, H, S] via [rows, :, :, slots], v [B, K, S, H] via [rows, :, slots]: both gather
-    # and scatter [B, P, K, H] blocks.
-    k = tuple(buf.at[rows, :, :, dst].set(buf[rows, :, :, src], mode="drop") for buf in cache.k)
-    v = tuple(buf.at[rows, :, dst].set(buf[rows, :, src], mode="drop") for buf in cache.v)
+    moved = [write_kv(k, v, rows, dst, *read_kv(k, v, rows, src))
+             for k, v in zip(cache.k, cache.v)]
+    k, v = (tuple(layers) for layers in zip(*moved))
     new_end = cache.end + jnp.where(active, jnp.sum(valid, axis=1), 0).astype(jnp.int32)
     return dataclasses.replace(cache, k=k, v=v, end=new_end)

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax.draft.config import DraftConfig
-from eagle3_jax.model.layers import apply_rope, attention, rms_norm, rope_inv_freq, swiglu
+from eagle3_jax.model.layers import (apply_rope, attention, empty_kv, rms_norm, rope_inv_freq,
+                                     swiglu, write_kv)
 from eagle3_jax.model.params import Params
 
 
@@ -54,10 +55,8 @@ def draft_logits(params: Params, cfg: DraftConfig, h: jax.Array) -> jax.Array:
 
 
 def empty_draft_cache(cfg: DraftConfig, batch: int, slots: int) -> tuple[jax.Array, jax.Array]:
-    """A zeroed draft KV cache: (k [B, K, H, S], v [B, K, S, H]), the layouts attention reads."""
-    dtype = jnp.dtype(cfg.dtype)
-    return (jnp.zeros((batch, cfg.num_kv_heads, cfg.head_dim, slots), dtype),
-            jnp.zeros((batch, cfg.num_kv_heads, slots, cfg.head_dim), dtype))
+    """A zeroed draft KV cache: (k [B, K, H, S], v [B, K, S, H]), as ``layers.empty_kv``."""
+    return empty_kv(batch, cfg.num_kv_heads, cfg.head_dim, slots, jnp.dtype(cfg.dtype))
 
 
 def draft_step_cached(params: Params, cfg: DraftConfig, embeds: jax.Array, g: jax.Array,
@@ -75,8 +74,6 @@ def draft_step_cached(params: Params, cfg: DraftConfig, embeds: jax.Array, g: ja
     """
     q, k, v = project_qkv(params, cfg, embeds, g, positions)
     rows = jnp.arange(k.shape[0])[:, None]
-    # Both index expressions address [B, T, K, H] blocks, the layout of k and v here.
-    cache_k = cache_k.at[rows, :, :, write_slots].set(k, mode="drop")
-    cache_v = cache_v.at[rows, :, write_slots].set(v, mode="drop")
+    cache_k, cache_v = write_kv(cache_k, cache_v, rows, write_slots, k, v)  # k, v [B, T, K, H]
     h = finish_layer(params, cfg, g, attention(q, [(cache_k, cache_v, mask)]))
     return h, draft_logits(params, cfg, h), cache_k, cache_v

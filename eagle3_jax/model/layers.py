@@ -53,15 +53,35 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return rotated.astype(x.dtype)
 
 
+def empty_kv(batch: int, kv_heads: int, head_dim: int, slots: int,
+             dtype) -> tuple[jax.Array, jax.Array]:
+    """A zeroed KV buffer in the layouts :func:`attention` reads: keys [B, K, H, S] (slots last,
+    so the score matmul streams each key row) and values [B, K, S, H]."""
+    return (jnp.zeros((batch, kv_heads, head_dim, slots), dtype),
+            jnp.zeros((batch, kv_heads, slots, head_dim), dtype))
+
+
+def read_kv(k: jax.Array, v: jax.Array, rows: jax.Array, slots: jax.Array):
+    """Keys and values at ``slots`` [B, T] of ``rows`` [B, 1], each as [B, T, K, H] blocks."""
+    return k[rows, :, :, slots], v[rows, :, slots]
+
+
+def write_kv(k: jax.Array, v: jax.Array, rows: jax.Array, slots: jax.Array, new_k: jax.Array,
+             new_v: jax.Array):
+    """Write [B, T, K, H] blocks at ``slots`` [B, T] of ``rows`` [B, 1]; slots past the end are
+    dropped. (In k [B, K, H, S] the advanced indices are apart, so theirs come first.)"""
+    return (k.at[rows, :, :, slots].set(new_k, mode="drop"),
+            v.at[rows, :, slots].set(new_v, mode="drop"))
+
+
 def attention(q: jax.Array, blocks: Sequence[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
     """Grouped-query attention with one softmax over several blocks of keys.
 
     Args:
       q: [B, T, N, H] queries (already rotated).
-      blocks: ``(k, v, mask)`` triples: keys [B, K, H, S_i] (slots last, so the score matmul
-        streams each key row contiguously), values [B, K, S_i, H], and mask [B, T, S_i] bool,
-        True where query t may attend slot s. This is the layout of the KV caches, so neither is
-        transposed here. The target passes its cache and the new tokens as two blocks, so the
+      blocks: ``(k, v, mask)`` triples: keys [B, K, H, S_i] and values [B, K, S_i, H] (the KV
+        cache layout, :func:`empty_kv`) and mask [B, T, S_i] bool, True where query t may attend
+        slot s. The target passes its cache and the new tokens as two blocks, so the
         cache is only read here and written once after the forward.
     Returns:
       [B, T, N, H].

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.layers import apply_rope, attention, rms_norm, rope_inv_freq
+from eagle3_jax.model.layers import (apply_rope, attention, empty_kv, rms_norm, rope_inv_freq,
+                                     write_kv)
 from eagle3_jax.model.params import Params, is_serving, to_serving_layer
 
 
@@ -44,11 +45,10 @@ class KVCache:
 
     @classmethod
     def zeros(cls, cfg: TargetConfig, batch: int, max_len: int) -> "KVCache":
-        k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
-        v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        empty = lambda shape: tuple(jnp.zeros(shape, jnp.dtype(cfg.dtype))  # noqa: E731
-                                    for _ in range(cfg.num_layers))
-        return cls(empty(k_shape), empty(v_shape), jnp.zeros((batch,), jnp.int32))
+        layers = [empty_kv(batch, cfg.num_kv_heads, cfg.head_dim, max_len, jnp.dtype(cfg.dtype))
+                  for _ in range(cfg.num_layers)]
+        k, v = (tuple(x) for x in zip(*layers))
+        return cls(k, v, jnp.zeros((batch,), jnp.int32))
 
 
 @struct.dataclass
@@ -80,25 +80,24 @@ def split_cache_mask(mask: jax.Array, cache_end: jax.Array, num_new: int):
     return past, new
 
 
-# XLA CPU runs a dot as small as the output projection (D x N*H, 1.3 MB for SmolLM2) on one
-# core when only a few rows multiply it; split into this many row blocks and given as a batched
-# dot, it runs on every core. `bench forward` on 2 cores: 27.5 -> 25.0 ms per decode step,
-# interleaved. (16 blocks lose the gain again; other projections are large enough already.)
+# XLA CPU runs a matrix-vector dot as small as the output projection (D x N*H, 1.3 MB for
+# SmolLM2) on one core; split into this many row blocks and given as a batched dot, it runs on
+# every core. `bench forward` on 2 cores: 27.5 -> 25.0 ms per decode step, interleaved.
+# (16 blocks lose the gain again; the other projections gain nothing; with 2+ rows it is slower.)
 CPU_MATVEC_ROW_BLOCKS = 8
-CPU_MATVEC_MAX_ROWS = 1
 
 
 def _small_matvec(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [B, T, I] times w [O, I] (an [out, in] weight) -> [B, T, O].
 
-    On CPU with at most ``CPU_MATVEC_MAX_ROWS`` rows (decode steps, small trees) the product
-    runs as ``CPU_MATVEC_ROW_BLOCKS`` row blocks of ``w`` in one batched dot (see above); the
-    blocks are a free reshape of ``w``. Elsewhere it is the plain matmul.
+    A single row (B = T = 1: a batch-1 decode step) on CPU runs as ``CPU_MATVEC_ROW_BLOCKS``
+    row blocks of ``w`` in one batched dot (see above; the blocks are a free reshape of ``w``).
+    Everything else is the plain matmul.
     """
     b, t, _ = x.shape
     o, i = w.shape
     blocks = CPU_MATVEC_ROW_BLOCKS
-    if jax.default_backend() != "cpu" or b * t > CPU_MATVEC_MAX_ROWS or o % blocks:
+    if jax.default_backend() != "cpu" or b * t != 1 or o % blocks:
         return jnp.einsum("BTI,OI->BTO", x, w)
     xb = jnp.broadcast_to(x, (blocks,) + x.shape)
     y = jnp.einsum("PBTI,POI->BTPO", xb, w.reshape(blocks, o // blocks, i))
@@ -228,6 +227,24 @@ def forward(
     return ForwardOutput(logits=logits, cache=new_cache, taps=tap_out, hidden=hidden)
 
 
+def prefill(params: Params, cfg: TargetConfig, tokens: jax.Array, lengths: jax.Array,
+            max_len: int, *, tap_layers: Sequence[int] = ()) -> ForwardOutput:
+    """Run right-padded prompts tokens [B, P] (real lengths [B]) into a fresh cache of
+    ``max_len`` slots: the decoders' first step.
+
+    Returns logits [B, 1, V] at each row's last real token, taps [B, P, ...], and the cache
+    with ``end = lengths``. Pad tokens were written at slots [length, P); ending the cache there
+    lets decoding overwrite them, and the causal mask (slot <= end) never shows them to anyone.
+    """
+    b, p = tokens.shape
+    cache = KVCache.zeros(cfg, b, max_len)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None, :], (b, p))
+    last = jnp.maximum(lengths - 1, 0)[:, None]  # [B, 1]
+    out = forward(params, cfg, tokens, positions, causal_mask(cache.end, p, max_len), cache,
+                  tap_layers=tap_layers, logit_positions=last, cache_is_empty=True)
+    return dataclasses.replace(out, cache=out.cache.replace(end=lengths.astype(jnp.int32)))
+
+
 def _write_cache(cache: KVCache, new_k, new_v, after: jax.Array) -> KVCache:
     """Write each layer's new keys [B, K, H, T] / values [B, K, T, H] at slots [end, end + T).
 
@@ -240,12 +257,10 @@ def _write_cache(cache: KVCache, new_k, new_v, after: jax.Array) -> KVCache:
     rows = jnp.arange(b)[:, None]
     slots = cache.end[:, None] + jnp.arange(t)[None, :]  # [B, T]
     order = (0 * after[:, :, None, :1]).astype(new_v[0].dtype)  # [B, T, 1, 1]
-    # Both index expressions address [B, T, K, H] blocks: [rows, :, :, slots] in k [B, K, H, S]
-    # (advanced indices apart, so theirs come first), [rows, :, slots] in v [B, K, S, H].
-    k = tuple(buf.at[rows, :, :, slots].set(new.transpose(0, 3, 1, 2) + order, mode="drop")
-              for buf, new in zip(cache.k, new_k))
-    v = tuple(buf.at[rows, :, slots].set(new.transpose(0, 2, 1, 3) + order, mode="drop")
-              for buf, new in zip(cache.v, new_v))
+    written = [write_kv(k, v, rows, slots, nk.transpose(0, 3, 1, 2) + order,
+                        nv.transpose(0, 2, 1, 3) + order)  # both as [B, T, K, H]
+               for k, v, nk, nv in zip(cache.k, cache.v, new_k, new_v)]
+    k, v = (tuple(layers) for layers in zip(*written))
     return dataclasses.replace(cache, k=k, v=v)
 
 
