@@ -22,13 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from eagle3_jax.draft.export import DraftExportError, export_draft_head
-    from eagle3_jax.train.checkpointing import CheckpointError
+    from eagle3_jax.train.checkpointing import TrainCheckpointError
     from eagle3_jax.train.loop import load_trained_head
 
     try:
         head, step = load_trained_head(args.checkpoint, args.step)
         out = export_draft_head(head, args.out, dtype=args.dtype)
-    except (CheckpointError, DraftExportError) as e:
+    except (TrainCheckpointError, DraftExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote the step-{step} draft head of {args.checkpoint} to {out}")

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.model.config import ConfigError, TargetConfig
 from eagle3_jax.sharding import MeshConfig, MeshError
 
@@ -29,7 +30,7 @@ DEFAULT_PRESET = "smollm2-135m"
 _KEYS = ("name", "target", "weights", "mesh", "notes")
 
 
-class PresetError(ValueError):
+class PresetError(Eagle3Error, ValueError):
     """An unknown or malformed preset; the message lists what is available or wrong."""
 
 

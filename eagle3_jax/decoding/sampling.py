@@ -18,8 +18,11 @@ import math
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.errors import Eagle3Error
 
-class SamplingError(ValueError):
+
+
+class SamplingError(Eagle3Error, ValueError):
     """Sampling parameters that do not describe a distribution; the message says the range."""
 
 

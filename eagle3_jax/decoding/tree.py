@@ -33,13 +33,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.draft.model import draft_step_cached
 from eagle3_jax.draft.params import VocabMap
 from eagle3_jax.model.params import Params
 
 
-class TreeError(ValueError):
+class TreeError(Eagle3Error, ValueError):
     """Tree sizes that cannot form a tree; the message gives the valid range."""
 
 

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.draft.params import DraftHead, VocabMap, draft_param_specs
 from eagle3_jax.model.config import ConfigError, TargetConfig
@@ -54,7 +55,7 @@ _ST_DTYPES = {
 _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
 
-class DraftExportError(ValueError):
+class DraftExportError(Eagle3Error, ValueError):
     """A head folder that cannot be written or read; the message names the file and the fix."""
 
 

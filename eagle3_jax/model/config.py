@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from eagle3_jax.errors import Eagle3Error
+
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-class ConfigError(ValueError):
+class ConfigError(Eagle3Error, ValueError):
     """A config that cannot describe a model we can run; the message says what to change."""
 
 

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.model.params import ParamSpec, is_spec
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ KV_CACHE_K_AXES = ("batch", "kv_heads", "head_dim", "cache_seq")
 KV_CACHE_V_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
 
 
-class MeshError(ValueError):
+class MeshError(Eagle3Error, ValueError):
     """A mesh that cannot be built on the devices present; the message says what fits."""
 
 

@@ -17,6 +17,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from eagle3_jax.errors import Eagle3Error
+
+
 # Everything is local; never let transformers try the Hugging Face hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -25,7 +28,7 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>",
                       "<|end_of_text|>", "<end_of_turn>", "</s>")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(Eagle3Error, ValueError):
     """A tokenizer that cannot be built from the given files; the message says why."""
 
 

@@ -13,7 +13,7 @@ import sys
 
 from eagle3_jax.draft.export import DraftExportError
 from eagle3_jax.model.config import ConfigError
-from eagle3_jax.train.checkpointing import CheckpointError
+from eagle3_jax.train.checkpointing import TrainCheckpointError
 from eagle3_jax.train.config import load_train_config
 
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         from eagle3_jax.train.loop import train
 
         summary = train(cfg, max_steps=args.max_steps)
-    except (ConfigError, CheckpointError, DraftExportError) as e:
+    except (ConfigError, TrainCheckpointError, DraftExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # data / preset / checkpoint loaders raise their own ValueErrors

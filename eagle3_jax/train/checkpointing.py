@@ -10,7 +10,7 @@ One orbax ``CheckpointManager`` step folder per save::
 Orbax writes a step into a temporary folder and renames it once complete, so a save killed
 midway leaves no step folder and the previous checkpoint stays the latest; ``max_to_keep`` keeps
 the newest N. Restoring takes an abstract TrainState (``jax.eval_shape`` + shardings), so arrays
-come back already placed on the mesh. Anything unreadable raises :class:`CheckpointError`
+come back already placed on the mesh. Anything unreadable raises :class:`TrainCheckpointError`
 naming the folder and what to do.
 """
 
@@ -25,12 +25,13 @@ import grain.checkpoint  # noqa: F401  (registers CheckpointSave/Restore with or
 import jax
 import orbax.checkpoint as ocp
 
+from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.train.step import TrainState
 
 STATE, DATA, META = "state", "data", "meta"
 
 
-class CheckpointError(RuntimeError):
+class TrainCheckpointError(Eagle3Error, RuntimeError):
     """A training checkpoint that is missing or unreadable; the message names folder and fix."""
 
 
@@ -61,7 +62,7 @@ class TrainCheckpointer:
             self._manager = ocp.CheckpointManager(self.directory, options=options,
                                                   item_names=(STATE, DATA, META))
         except Exception as e:  # noqa: BLE001 - orbax raises many types
-            raise CheckpointError(f"cannot open checkpoint folder {self.directory}: {e}. Check "
+            raise TrainCheckpointError(f"cannot open checkpoint folder {self.directory}: {e}. Check "
                                   "the path is writable, or choose another out_dir.") from e
 
     def all_steps(self) -> list[int]:
@@ -113,24 +114,24 @@ class TrainCheckpointer:
     # -----------------------------------------------------------------------------------------
 
     def resolve_step(self, step: int | None = None) -> int:
-        """``step`` if saved (default: the latest); CheckpointError otherwise."""
+        """``step`` if saved (default: the latest); TrainCheckpointError otherwise."""
         steps = self.all_steps()
         if not steps:
-            raise CheckpointError(f"no checkpoint in {self.directory}; train first, or point "
+            raise TrainCheckpointError(f"no checkpoint in {self.directory}; train first, or point "
                                   "--checkpoint at a run folder that has checkpoints/<step>/")
         if step is None:
             return steps[-1]
         if step not in steps:
-            raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; "
+            raise TrainCheckpointError(f"no checkpoint for step {step} in {self.directory}; "
                                   f"available steps: {steps}")
         return int(step)
 
     def _step_dir(self, step: int) -> Path:
         return self.directory / str(step)
 
-    def _corrupt(self, step: int, error: Exception) -> CheckpointError:
+    def _corrupt(self, step: int, error: Exception) -> TrainCheckpointError:
         older = [s for s in self.all_steps() if s < step]
         fix = (f"delete {self._step_dir(step)} to resume from step {older[-1]}" if older
                else f"delete {self.directory} to start over")
-        return CheckpointError(f"checkpoint {self._step_dir(step)} is corrupt or incomplete "
+        return TrainCheckpointError(f"checkpoint {self._step_dir(step)} is corrupt or incomplete "
                                f"({type(error).__name__}: {str(error)[:300]}); {fix}")

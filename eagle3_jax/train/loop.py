@@ -55,7 +55,7 @@ from eagle3_jax.draft.params import DraftHead, VocabMap, draft_param_specs, init
 from eagle3_jax.model.config import ConfigError, TargetConfig
 from eagle3_jax.model.params import Params, init_params, param_specs
 from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
-from eagle3_jax.train.checkpointing import CheckpointError, TrainCheckpointer, abstract_state
+from eagle3_jax.train.checkpointing import TrainCheckpointError, TrainCheckpointer, abstract_state
 from eagle3_jax.train.config import TrainConfig
 from eagle3_jax.train.metrics import MetricsWriter, plot_accuracy, read_metrics
 from eagle3_jax.train.step import (TargetInputs, TrainState, eval_step,
@@ -348,10 +348,10 @@ def train(
         try:
             saved_cfg = DraftConfig.from_dict(saved.get("draft_config") or {})
         except (ConfigError, TypeError) as e:
-            raise CheckpointError(f"{ckpt.directory}/{resume_step}: unreadable draft config "
+            raise TrainCheckpointError(f"{ckpt.directory}/{resume_step}: unreadable draft config "
                                   f"({e}); use a new out_dir") from None
         if saved_cfg != draft_cfg:
-            raise CheckpointError(
+            raise TrainCheckpointError(
                 f"{ckpt.directory} holds a head with config {saved.get('draft_config')}, but this "
                 f"run builds {draft_cfg.to_dict()}; use a new out_dir or the original config")
         state, _ = ckpt.restore(abstract_state(shapes, state_sh), data_iter, resume_step)
@@ -475,14 +475,14 @@ def load_trained_head(run_dir: str | Path, step: int | None = None) -> tuple[Dra
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise CheckpointError(f"run folder {run_dir} does not exist; pass the out_dir of a "
+        raise TrainCheckpointError(f"run folder {run_dir} does not exist; pass the out_dir of a "
                               "training run")
     if (run_dir / CHECKPOINT_DIR).is_dir():
         ckpt_dir = run_dir / CHECKPOINT_DIR
     elif run_dir.name == CHECKPOINT_DIR:
         ckpt_dir, run_dir = run_dir, run_dir.parent
     else:
-        raise CheckpointError(f"{run_dir} has no {CHECKPOINT_DIR}/ folder; pass the out_dir of a "
+        raise TrainCheckpointError(f"{run_dir} has no {CHECKPOINT_DIR}/ folder; pass the out_dir of a "
                               "training run")
     ckpt = TrainCheckpointer(ckpt_dir, max_to_keep=1 << 30)
     try:
@@ -492,7 +492,7 @@ def load_trained_head(run_dir: str | Path, step: int | None = None) -> tuple[Dra
             draft_cfg = DraftConfig.from_dict(meta["draft_config"])
             train_cfg = TrainConfig.from_dict(meta["train_config"])
         except (KeyError, ConfigError) as e:
-            raise CheckpointError(f"{ckpt_dir}/{step}: unreadable run metadata ({e})") from None
+            raise TrainCheckpointError(f"{ckpt_dir}/{step}: unreadable run metadata ({e})") from None
         mesh = make_mesh(MeshConfig(1, 1, 1), jax.local_devices()[:1])
         shapes, shardings = abstract_train_state(draft_cfg, train_cfg.optimizer.build(), mesh)
         state, _ = ckpt.restore(abstract_state(shapes, shardings), None, step)
