@@ -106,7 +106,7 @@ class Generation:
     def eagle_fields(self) -> dict:
         if self.rounds is None:
             return {}
-        from eagle3_jax.decoding.eagle import mean_accept_length
+        from eagle3_jax.decoding.acceptance import mean_accept_length
 
         return {"rounds": self.rounds,
                 "mean_accept_length": round(mean_accept_length(self.accept_hist), 4),
@@ -582,7 +582,7 @@ def _run_compare(conversations: list[list[str]], target, decoders: dict, batch_s
 
     _decode_turns(conversations, target, batch_size, generate, lambda pair: text(pair[1]), emit)
     speed = {name: t["tokens"] / max(t["seconds"], 1e-9) for name, t in totals.items()}
-    from eagle3_jax.decoding.eagle import mean_accept_length
+    from eagle3_jax.decoding.acceptance import mean_accept_length
 
     tau = mean_accept_length(hist)
     summary = (f"compare: vanilla {speed['vanilla']:.1f} tokens/s, eagle {speed['eagle']:.1f} "

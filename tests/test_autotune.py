@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from eagle3_jax.decoding import autotune
-from eagle3_jax.decoding.autotune import (CostModel, default_accept_rates,
-                                          expected_accept_length, select_tree)
+from eagle3_jax.decoding.acceptance import (chain_accept_length, default_accept_rates,
+                                            expected_accept_length, mean_accept_length)
+from eagle3_jax.decoding.autotune import CostModel, select_tree
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.draft.params import DraftHead, VocabMap, init_draft_params
@@ -33,6 +34,15 @@ def test_expected_accept_length_of_a_chain_is_the_prefix_product_sum():
     assert expected_accept_length(TreeConfig(top_k=4, depth=5, total_tokens=40),
                                   [1.0] * 5) == pytest.approx(6.0)
     assert default_accept_rates(3) == pytest.approx([0.6, 0.54, 0.486])
+    # The training eval's chain estimate is the same model with one child per node.
+    assert chain_accept_length(rates) == pytest.approx(expected_accept_length(chain, rates))
+    assert chain_accept_length([]) == 1.0
+
+
+def test_mean_accept_length_is_tokens_per_round():
+    # 3 rounds of 1 token, 1 of 2, 2 of 4: (3 + 2 + 8) / 6 tokens per round.
+    assert mean_accept_length([0, 3, 1, 0, 2]) == pytest.approx(13 / 6)
+    assert mean_accept_length([0, 0, 0]) == 0.0
 
 
 def test_more_tokens_never_lower_the_expected_length():
@@ -101,7 +111,7 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
     def no_timing(*args, **kwargs):
         raise AssertionError("cached costs must not be measured again")
 
-    monkeypatch.setattr("eagle3_jax.bench.forward.forward_curve", no_timing)
+    monkeypatch.setattr(autotune, "forward_curve", no_timing)
     monkeypatch.setattr(autotune, "measure_draft_steps", no_timing)
     assert autotune.measure_costs(params, cfg, head, 16, **kw) == costs
     choice = autotune.select_tree(costs, top_k=2)

@@ -286,9 +286,9 @@ def _hf_greedy(hf, prompt, n, eos_token_ids):
 
 
 def test_bench_decode_loop_is_greedy_decoding(params):
-    """``bench forward`` times ``_decode_loop`` as plain decoding's inner loop: it must decode
+    """``bench forward`` times ``decode_loop`` as plain decoding's inner loop: it must decode
     exactly what greedy decoding decodes, and leave the cache end where it started."""
-    from eagle3_jax.bench.forward import _decode_loop
+    from eagle3_jax.decoding.costs import decode_loop
     from eagle3_jax.model.params import to_serving
     from eagle3_jax.model.target import prefill
 
@@ -299,6 +299,6 @@ def test_bench_decode_loop_is_greedy_decoding(params):
     out = prefill(serving, CFG, jnp.asarray([prompt]), jnp.array([p]), 32)
     first = jnp.argmax(out.logits[:, -1:], axis=-1).astype(jnp.int32)  # [1, 1]
     assert int(first[0, 0]) == want[0]
-    last, cache = _decode_loop(serving, out.cache, first, CFG, N - 1)
+    last, cache = decode_loop(serving, out.cache, first, CFG, N - 1)
     assert int(last[0, 0]) == want[N - 1]
     assert int(cache.end[0]) == p

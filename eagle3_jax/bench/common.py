@@ -1,34 +1,13 @@
-"""Timing helpers shared by the benchmarks: interleaved repeats, medians, tables, plots."""
+"""Helpers shared by the benchmarks: tables, JSON, the machine description (timing itself is
+:mod:`eagle3_jax.decoding.costs`, shared with the tree chooser)."""
 
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Sequence
 
 import jax
-
-
-def time_call(fn: Callable[[], object]) -> float:
-    """Seconds for one call, waiting for every device result."""
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - start
-
-
-def interleaved_medians(fns: Mapping[str, Callable[[], object]], repeats: int,
-                        warmup: int = 1) -> dict[str, float]:
-    """Median seconds per named function, run round-robin so machine noise hits all alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            time_call(fn)
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            samples[name].append(time_call(fn))
-    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

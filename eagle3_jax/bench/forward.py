@@ -15,7 +15,6 @@ Measures, on the running machine:
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 import time
@@ -24,10 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.bench.common import (interleaved_medians, machine_description, markdown_table,
-                                     write_json)
+from eagle3_jax.bench.common import machine_description, markdown_table, write_json
+from eagle3_jax.decoding.costs import LOOP_STEPS, forward_curve, interleaved_medians
 from eagle3_jax.model.params import param_bytes
-from eagle3_jax.model.target import KVCache, causal_mask, forward
 
 PROMPTS = (
     "Explain in a few sentences why the sky is blue.",
@@ -36,73 +34,12 @@ PROMPTS = (
 )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _forward_step(params, cache, tokens, cfg):
-    """T new tokens appended at cache.end: the decode / verification forward."""
-    t = tokens.shape[1]
-    positions = cache.end[:, None] + jnp.arange(t)[None]
-    out = forward(params, cfg, tokens, positions, causal_mask(cache.end, t, cache.max_len), cache)
-    return out.logits, out.cache
-
-
-LOOP_STEPS = 16
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "steps"), donate_argnames=("cache",))
-def _decode_loop(params, cache, token, cfg, steps):
-    """``steps`` greedy decode steps from ``cache`` in one ``lax.fori_loop``; token [B, 1].
-
-    Returns (last token [B, 1], cache with ``end`` moved back to where it started, so the next
-    call decodes over the same context length).
-    """
-    start = cache.end
-
-    def step(_, carry):
-        token, cache = carry
-        logits, cache = _forward_step(params, cache, token, cfg)
-        token = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
-        return token, cache.replace(end=cache.end + 1)
-
-    token, cache = jax.lax.fori_loop(0, steps, step, (token, cache))
-    return token, cache.replace(end=start)
-
-
 def measure_bandwidth(num_bytes: int, repeats: int) -> float:
     """Bytes/s of a jitted reduction that reads an array of ``num_bytes`` once."""
     x = jnp.ones((num_bytes // 4,), jnp.float32)
     read = jax.jit(lambda a: jnp.sum(a))
     seconds = interleaved_medians({"read": lambda: read(x)}, repeats, warmup=2)["read"]
     return num_bytes / seconds
-
-
-def forward_curve(params, cfg, context: int, sizes, repeats: int,
-                  loop_steps: int = 0) -> dict[int | str, float]:
-    """Median seconds of a forward over ``T in sizes`` new tokens after ``context`` cached; with
-    ``loop_steps``, also the seconds per token of :func:`_decode_loop` (key "loop")."""
-    max_len = context + max(max(sizes), loop_steps)
-    caches = {}
-    fns = {}
-    for t in sizes:
-        caches[t] = KVCache.zeros(cfg, 1, max_len).replace(end=jnp.full((1,), context, jnp.int32))
-        tokens = jnp.ones((1, t), jnp.int32)
-
-        def run(t=t, tokens=tokens):
-            logits, caches[t] = _forward_step(params, caches[t], tokens, cfg)
-            return logits
-        fns[t] = run
-    if loop_steps:
-        caches["loop"] = KVCache.zeros(cfg, 1, max_len).replace(
-            end=jnp.full((1,), context, jnp.int32))
-
-        def loop():
-            token, caches["loop"] = _decode_loop(params, caches["loop"],
-                                                 jnp.ones((1, 1), jnp.int32), cfg, loop_steps)
-            return token
-        fns["loop"] = loop
-    medians = interleaved_medians(fns, repeats, warmup=2)
-    if loop_steps:
-        medians["loop"] /= loop_steps
-    return medians
 
 
 def greedy_speed(loaded, hf_model, max_new_tokens: int, repeats: int):

@@ -87,7 +87,7 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
                             "content": tok.decode(plain.token_ids, skip_special_tokens=True)})
             log(f"  {len(ids)} prompt tokens: vanilla {speeds['vanilla'][-1]:.1f} tok/s, eagle "
                 f"{speeds['eagle'][-1]:.1f} tok/s, {spec.rounds} rounds")
-    from eagle3_jax.decoding.eagle import mean_accept_length
+    from eagle3_jax.decoding.acceptance import mean_accept_length
 
     total = max(sum(hist), 1)
     vanilla = statistics.median(speeds["vanilla"])

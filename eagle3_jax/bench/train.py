@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3_jax.bench.common import (interleaved_medians, machine_description, markdown_table,
-                                     write_json)
+from eagle3_jax.bench.common import machine_description, markdown_table, write_json
+from eagle3_jax.decoding.costs import interleaved_medians
 
 
 def main(argv=None) -> int:

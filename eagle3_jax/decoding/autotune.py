@@ -5,20 +5,13 @@ The model (batch 1, greedy)::
     tokens/s(tree) = E[tau](tree) / (t_target(total_tokens) + t_draft(depth, top_k))
 
 * ``t_target(T)``: measured seconds of one target forward over T new tokens after ``context``
-  cached tokens (``bench.forward.forward_curve``), T in 1, 2, 4, ..., 64; linear in between.
+  cached tokens (:func:`eagle3_jax.decoding.costs.forward_curve`), T in 1, 2, 4, ..., 64; linear in between.
   T = 1 is plain decoding's step, so plain tokens/s = 1 / t_target(1).
 * ``t_draft(depth, k) = (depth - 1) * t_step(k) + t_step(depth + 1)``: the tree grows depth - 1
   levels of k frontier tokens, then the draft catches up on the accepted path (depth + 1
   tokens). ``t_step(w)`` is one measured draft step over w tokens.
-* ``E[tau]``: acceptance is modelled per depth. ``a_d`` (d = 0 for the root's children) is the
-  chance that the draft's top-1 token at depth d equals the target's, given its path was
-  accepted. The rank-r sibling (0-based) catches the target's token with ``a_d (1 - a_d)^r``
-  (the rest of the mass, geometrically; siblings are disjoint events). A node is accepted with
-  the product of its path's factors, so ``E[tau] = 1 + sum over non-root nodes of that
-  product`` (accepted nodes form one path; the 1 is the bonus token). Which nodes the tree
-  holds follows the real build (``decoding/tree.py``) with the model's probabilities standing in
-  for the draft's scores: level 1 is the root's k children, each further level the k children of
-  the best k nodes of the level above, and the tree the best ``total_tokens - 1`` candidates.
+* ``E[tau]``: :func:`eagle3_jax.decoding.acceptance.expected_accept_length` (per-depth
+  acceptance rates ``a_d``, siblings catching the rest of the mass geometrically).
 * ``a_d``: a head's measured per-step accuracies (training eval ``acc_per_step``; the TTT step
   i accuracy is exactly "top-1 at depth i given correct ancestors"), or ``--accept-rates``, or
   the default profile ``a_d = 0.6 * 0.9**d``. Depths past the given list continue the last
@@ -44,57 +37,19 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.decoding.acceptance import candidate_scores, rates_for_depth
+from eagle3_jax.decoding.costs import forward_curve, measure_draft_steps
 from eagle3_jax.decoding.tree import TreeConfig
+from eagle3_jax.errors import Eagle3Error
 
 TARGET_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16)
 TOP_KS = (1, 2, 3, 4, 6, 8, 10)
 DEPTHS = tuple(range(1, 9))
-DEFAULT_FIRST_RATE, DEFAULT_DECAY = 0.6, 0.9
 
 
 class AutotuneError(Eagle3Error, ValueError):
     """Bad acceptance rates or an empty search space; the message says what to pass."""
-
-
-# ------------------------------------------------------------------------- acceptance model
-
-
-def default_accept_rates(depth: int) -> list[float]:
-    """The documented fallback profile a_d = 0.6 * 0.9**d, d = 0 .. depth-1."""
-    return [DEFAULT_FIRST_RATE * DEFAULT_DECAY ** d for d in range(depth)]
-
-
-def rates_for_depth(rates: Sequence[float] | None, depth: int) -> list[float]:
-    """``rates`` cut or extended (last rate x 0.9 per extra level) to ``depth`` entries."""
-    if not rates:
-        return default_accept_rates(depth)
-    rates = [float(r) for r in rates]
-    if any(not 0.0 <= r <= 1.0 for r in rates):
-        raise AutotuneError(f"acceptance rates must lie in [0, 1], got {rates}")
-    while len(rates) < depth:
-        rates.append(rates[-1] * DEFAULT_DECAY)
-    return rates[:depth]
-
-
-def candidate_scores(top_k: int, depth: int, rates: Sequence[float]) -> np.ndarray:
-    """Modelled acceptance probability of every candidate node, sorted descending."""
-    a = rates_for_depth(rates, depth)
-    rank = lambda d: np.array([a[d] * (1 - a[d]) ** r for r in range(top_k)])  # noqa: E731
-    level = rank(0)
-    scores = [level]
-    for d in range(1, depth):
-        frontier = np.sort(level)[::-1][:top_k]
-        level = (frontier[:, None] * rank(d)[None, :]).reshape(-1)
-        scores.append(level)
-    return np.sort(np.concatenate(scores))[::-1]
-
-
-def expected_accept_length(tree: TreeConfig, rates: Sequence[float] | None = None) -> float:
-    """Modelled E[tau] (tokens per round, bonus included) of ``tree`` (module docstring)."""
-    scores = candidate_scores(tree.top_k, tree.depth, rates_for_depth(rates, tree.depth))
-    return 1.0 + float(np.sum(scores[: tree.total_tokens - 1]))
 
 
 # ------------------------------------------------------------------------- cost model
@@ -192,7 +147,7 @@ def _digest(obj) -> str:
 
 # The code whose speed the cost model measures (paths under the package).
 COST_SOURCES = ("model/target.py", "model/layers.py", "model/params.py", "draft/model.py",
-                "decoding/tree.py", "bench/forward.py")
+                "decoding/tree.py", "decoding/costs.py")
 
 
 @functools.lru_cache(maxsize=1)
@@ -234,33 +189,6 @@ def _write(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def measure_draft_steps(head, embed, context: int, widths: Sequence[int],
-                        repeats: int) -> dict[int, float]:
-    """Median seconds of one draft step over w tokens after ``context`` cached entries."""
-    import jax
-    import jax.numpy as jnp
-
-    from eagle3_jax.bench.common import interleaved_medians
-    from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache
-
-    dcfg = head.cfg
-    slots = context + max(widths)
-    cache_k, cache_v = empty_draft_cache(dcfg, 1, slots)
-    step = jax.jit(functools.partial(draft_step_cached, cfg=dcfg))
-    fns = {}
-    for w in widths:
-        tokens = jnp.ones((1, w), jnp.int32)
-        g = jnp.zeros((1, w, dcfg.hidden_size), jnp.dtype(dcfg.dtype))
-        pos = context + jnp.arange(w, dtype=jnp.int32)[None]
-        mask = jnp.arange(slots)[None, None, :] <= pos[:, :, None]
-
-        def run(tokens=tokens, g=g, pos=pos, mask=mask):
-            return step(head.params, embeds=jnp.take(embed, tokens, axis=0), g=g, positions=pos,
-                        mask=mask, cache_k=cache_k, cache_v=cache_v, write_slots=pos)
-        fns[w] = run
-    return interleaved_medians(fns, repeats, warmup=1)
-
-
 def measure_costs(target_params, cfg, head, context: int, *, repeats: int = 5,
                   sizes: Sequence[int] = TARGET_SIZES, widths: Sequence[int] = DRAFT_WIDTHS,
                   directory: str | Path | None = None,
@@ -273,8 +201,6 @@ def measure_costs(target_params, cfg, head, context: int, *, repeats: int = 5,
     target = data.setdefault("target", {}).setdefault(ctx, {})
     missing = [t for t in sizes if str(t) not in target]
     if missing:
-        from eagle3_jax.bench.forward import forward_curve
-
         log(f"[autotune: timing target forwards of {missing} tokens at context {context}]")
         target.update({str(t): s for t, s in forward_curve(target_params, cfg, int(context),
                                                            missing, repeats).items()})

@@ -215,16 +215,6 @@ def _generate_jit(target_params, head, prompt_tokens, prompt_lengths, key, *, cf
                        rounds=state.rounds, accept_hist=state.accept_hist)
 
 
-def mean_accept_length(accept_hist) -> float:
-    """tau: tokens emitted per verification round (accepted drafts + 1), averaged over rounds.
-
-    ``accept_hist[j]`` counts rounds that emitted j tokens (summed over rows and prompts). The
-    prefill's token is not a round and is not counted, so this is exactly the per-round mean.
-    """
-    hist = np.asarray(accept_hist, np.float64)
-    return float((hist * np.arange(len(hist))).sum() / max(hist.sum(), 1.0))
-
-
 def eagle_cache_size(cfg: TargetConfig, prompt_width: int, max_new_tokens: int,
                      tree_cfg: TreeConfig) -> int:
     """Target KV slots: prompt + new tokens + one tree + one round of slack, bucketed and capped

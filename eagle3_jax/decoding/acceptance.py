@@ -1,0 +1,88 @@
+"""Acceptance length (tau): tokens emitted per verification round, measured and modelled.
+
+One definition everywhere: tau = new tokens / verification rounds, where a round emits its
+accepted draft tokens plus the target's bonus token, and the prefill's first token is not a
+round. Tokens after an end-of-sequence token or past ``max_new_tokens`` are not emitted, so they
+are not counted either (:func:`eagle3_jax.decoding.eagle` records each round's emitted count in
+``accept_hist``).
+
+* :func:`mean_accept_length`: measured, from a histogram of emitted tokens per round.
+* :func:`chain_accept_length`: modelled for a chain of drafts with per-step accuracies (the
+  training eval's simulated tau).
+* :func:`expected_accept_length`: modelled for a dynamic tree (the tree chooser's, see
+  :mod:`eagle3_jax.decoding.autotune`); a chain (``top_k=1``) gives :func:`chain_accept_length`.
+
+Per-depth rates ``a_d`` (d = 0 for the root's children) are the chance that the draft's top-1
+token at depth d equals the target's, given its path was accepted. The rank-r sibling (0-based)
+catches the target's token with ``a_d (1 - a_d)^r``; a node is accepted with the product of its
+path's factors, so ``E[tau] = 1 + sum over non-root nodes of that product``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from eagle3_jax.decoding.tree import TreeConfig
+from eagle3_jax.errors import Eagle3Error
+
+DEFAULT_FIRST_RATE, DEFAULT_DECAY = 0.6, 0.9
+
+
+class AcceptRatesError(Eagle3Error, ValueError):
+    """Acceptance rates outside [0, 1]; the message shows them."""
+
+
+def mean_accept_length(accept_hist) -> float:
+    """Measured tau: ``accept_hist[j]`` counts rounds that emitted j tokens (summed over rows
+    and prompts); returns sum_j j * hist[j] / sum_j hist[j] (0 rounds -> 0)."""
+    hist = np.asarray(accept_hist, np.float64)
+    return float((hist * np.arange(len(hist))).sum() / max(hist.sum(), 1.0))
+
+
+def chain_accept_length(rates: Sequence[float]) -> float:
+    """Modelled tau of a chain of len(rates) drafts: 1 + sum_k prod_{i<=k} rates_i."""
+    return 1.0 + float(np.sum(np.cumprod(np.asarray(rates, np.float64)))) if len(rates) else 1.0
+
+
+def default_accept_rates(depth: int) -> list[float]:
+    """The documented fallback profile a_d = 0.6 * 0.9**d, d = 0 .. depth-1."""
+    return [DEFAULT_FIRST_RATE * DEFAULT_DECAY ** d for d in range(depth)]
+
+
+def rates_for_depth(rates: Sequence[float] | None, depth: int) -> list[float]:
+    """``rates`` cut or extended (last rate x 0.9 per extra level) to ``depth`` entries."""
+    if not rates:
+        return default_accept_rates(depth)
+    rates = [float(r) for r in rates]
+    if any(not 0.0 <= r <= 1.0 for r in rates):
+        raise AcceptRatesError(f"acceptance rates must lie in [0, 1], got {rates}")
+    while len(rates) < depth:
+        rates.append(rates[-1] * DEFAULT_DECAY)
+    return rates[:depth]
+
+
+def candidate_scores(top_k: int, depth: int, rates: Sequence[float]) -> np.ndarray:
+    """Modelled acceptance probability of every candidate node, sorted descending.
+
+    Which nodes the tree holds follows the real build (``decoding/tree.py``) with the model's
+    probabilities standing in for the draft's scores: level 1 is the root's k children, each
+    further level the k children of the best k nodes of the level above.
+    """
+    a = rates_for_depth(rates, depth)
+    rank = lambda d: np.array([a[d] * (1 - a[d]) ** r for r in range(top_k)])  # noqa: E731
+    level = rank(0)
+    scores = [level]
+    for d in range(1, depth):
+        frontier = np.sort(level)[::-1][:top_k]
+        level = (frontier[:, None] * rank(d)[None, :]).reshape(-1)
+        scores.append(level)
+    return np.sort(np.concatenate(scores))[::-1]
+
+
+def expected_accept_length(tree: TreeConfig, rates: Sequence[float] | None = None) -> float:
+    """Modelled E[tau] (tokens per round, bonus included) of ``tree``: 1 + the best
+    ``total_tokens - 1`` candidates' acceptance probabilities."""
+    scores = candidate_scores(tree.top_k, tree.depth, rates_for_depth(rates, tree.depth))
+    return 1.0 + float(np.sum(scores[: tree.total_tokens - 1]))

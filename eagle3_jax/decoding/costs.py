@@ -1,0 +1,126 @@
+"""Measured costs on this machine: target forwards over T new tokens, draft steps, timing.
+
+The tree chooser (:mod:`eagle3_jax.decoding.autotune`) and the benchmarks
+(``python -m eagle3_jax.bench forward``) time the same functions, defined here:
+
+* :func:`forward_curve`: median seconds of one target forward over T new tokens appended after
+  ``context`` cached tokens (T = 1 is plain decoding's step), optionally with the per-token time
+  of a jitted greedy decode loop (:func:`decode_loop`).
+* :func:`measure_draft_steps`: median seconds of one draft step over w tokens.
+* :func:`interleaved_medians`: named functions run round-robin, so machine noise hits all alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from typing import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache
+from eagle3_jax.model.target import KVCache, causal_mask, forward
+
+
+def time_call(fn: Callable[[], object]) -> float:
+    """Seconds for one call, waiting for every device result."""
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
+def interleaved_medians(fns: Mapping[str, Callable[[], object]], repeats: int,
+                        warmup: int = 1) -> dict[str, float]:
+    """Median seconds per named function, run round-robin so machine noise hits all alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            time_call(fn)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name].append(time_call(fn))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def forward_step(params, cache, tokens, cfg):
+    """T new tokens appended at cache.end: the decode / verification forward."""
+    t = tokens.shape[1]
+    positions = cache.end[:, None] + jnp.arange(t)[None]
+    out = forward(params, cfg, tokens, positions, causal_mask(cache.end, t, cache.max_len), cache)
+    return out.logits, out.cache
+
+
+LOOP_STEPS = 16
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "steps"), donate_argnames=("cache",))
+def decode_loop(params, cache, token, cfg, steps):
+    """``steps`` greedy decode steps from ``cache`` in one ``lax.fori_loop``; token [B, 1].
+
+    Returns (last token [B, 1], cache with ``end`` moved back to where it started, so the next
+    call decodes over the same context length).
+    """
+    start = cache.end
+
+    def step(_, carry):
+        token, cache = carry
+        logits, cache = forward_step(params, cache, token, cfg)
+        token = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
+        return token, cache.replace(end=cache.end + 1)
+
+    token, cache = jax.lax.fori_loop(0, steps, step, (token, cache))
+    return token, cache.replace(end=start)
+
+
+def forward_curve(params, cfg, context: int, sizes, repeats: int,
+                  loop_steps: int = 0) -> dict[int | str, float]:
+    """Median seconds of a forward over ``T in sizes`` new tokens after ``context`` cached; with
+    ``loop_steps``, also the seconds per token of :func:`decode_loop` (key "loop")."""
+    max_len = context + max(max(sizes), loop_steps)
+    caches = {}
+    fns = {}
+    for t in sizes:
+        caches[t] = KVCache.zeros(cfg, 1, max_len).replace(end=jnp.full((1,), context, jnp.int32))
+        tokens = jnp.ones((1, t), jnp.int32)
+
+        def run(t=t, tokens=tokens):
+            logits, caches[t] = forward_step(params, caches[t], tokens, cfg)
+            return logits
+        fns[t] = run
+    if loop_steps:
+        caches["loop"] = KVCache.zeros(cfg, 1, max_len).replace(
+            end=jnp.full((1,), context, jnp.int32))
+
+        def loop():
+            token, caches["loop"] = decode_loop(params, caches["loop"],
+                                                 jnp.ones((1, 1), jnp.int32), cfg, loop_steps)
+            return token
+        fns["loop"] = loop
+    medians = interleaved_medians(fns, repeats, warmup=2)
+    if loop_steps:
+        medians["loop"] /= loop_steps
+    return medians
+
+
+def measure_draft_steps(head, embed, context: int, widths: Sequence[int],
+                        repeats: int) -> dict[int, float]:
+    """Median seconds of one draft step over w tokens after ``context`` cached entries."""
+    dcfg = head.cfg
+    slots = context + max(widths)
+    cache_k, cache_v = empty_draft_cache(dcfg, 1, slots)
+    step = jax.jit(functools.partial(draft_step_cached, cfg=dcfg))
+    fns = {}
+    for w in widths:
+        tokens = jnp.ones((1, w), jnp.int32)
+        g = jnp.zeros((1, w, dcfg.hidden_size), jnp.dtype(dcfg.dtype))
+        pos = context + jnp.arange(w, dtype=jnp.int32)[None]
+        mask = jnp.arange(slots)[None, None, :] <= pos[:, :, None]
+
+        def run(tokens=tokens, g=g, pos=pos, mask=mask):
+            return step(head.params, embeds=jnp.take(embed, tokens, axis=0), g=g, positions=pos,
+                        mask=mask, cache_k=cache_k, cache_v=cache_v, write_slots=pos)
+        fns[w] = run
+    return interleaved_medians(fns, repeats, warmup=1)
