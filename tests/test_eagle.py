@@ -14,6 +14,7 @@ from scipy import stats
 
 from eagle3_jax.decoding import SamplingParams, generate, probs
 from eagle3_jax.decoding import eagle as eagle_mod
+from eagle3_jax.decoding import driver
 from eagle3_jax.decoding.eagle import _prefill, _round, generate_eagle
 from eagle3_jax.decoding.tree import (TreeConfig, TreeError,
                                       tree_from_parents)
@@ -206,12 +207,12 @@ def test_commit_equals_recomputing_the_caches(models):
     kw = dict(cfg=cfg, tree_cfg=tree_cfg, sampling=SamplingParams(), eos_token_ids=())
     state = _prefill(params, head, tokens, lengths, jax.random.key(0), max_new_tokens=40,
                      max_len=64, **kw)
-    step = jax.jit(functools.partial(_round, proposer=oracle_proposer, max_new_tokens=40, **kw))
+    step = jax.jit(functools.partial(_round, proposer=oracle_proposer, **kw))
     for _ in range(3):
         state = step(params, head, state)
     for b in range(2):
         n_prompt, end = int(lengths[b]), int(state.cache.end[b])
-        emitted = np.asarray(state.tokens[b, : int(state.num_generated[b])])
+        emitted = np.asarray(state.out.tokens[b, : int(state.out.num_generated[b])])
         committed = np.concatenate([np.asarray(tokens[b, :n_prompt]), emitted[:-1]])
         assert len(committed) == end and emitted[-1] == int(state.root[b])
         seq = jnp.asarray(committed)[None]
@@ -318,9 +319,9 @@ def test_chi_square_catches_a_biased_acceptance_rule(tiny_vocab_models, monkeypa
     prompt = jnp.asarray([1, 5, 2, 7, 3], jnp.int32)
     sampling = SAMPLERS[0]
     monkeypatch.setattr(eagle_mod, "accept", _biased_accept)
-    eagle_mod._generate_jit.clear_cache()
+    driver._loop_jit.clear_cache()
     try:
         pairs = _sample_pairs(params, cfg, head, prompt, sampling, samples=6000, seed=0)
     finally:
-        eagle_mod._generate_jit.clear_cache()
+        driver._loop_jit.clear_cache()
     assert _chi_square_pvalue(pairs, _exact_joint(params, cfg, prompt, sampling)) < 1e-6

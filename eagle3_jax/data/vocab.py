@@ -96,8 +96,8 @@ def load_vocab(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
 
 def load_vocab_map(path: str | Path):
     """The device-side :class:`~eagle3_jax.draft.params.VocabMap` of a saved vocabulary."""
-    from eagle3_jax.draft.params import VocabMap
+    from eagle3_jax.draft.load import read_vocab_file
 
-    d2t, t2d = load_vocab(path)
-    used = d2t + np.arange(len(d2t))
-    return VocabMap.from_used_ids(used, len(t2d))
+    if not Path(path).is_file():
+        raise DataError(f"draft vocabulary file {path} does not exist")
+    return read_vocab_file(path)

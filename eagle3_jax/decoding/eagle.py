@@ -20,7 +20,6 @@ tokens and the bonus token, a + 1 tokens (the acceptance length).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -28,7 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from eagle3_jax.decoding import driver
 from eagle3_jax.decoding.batching import bucket
+from eagle3_jax.decoding.driver import (Emitted, GenerationError, append_tokens, check_prompts,
+                                        eos_tuple)
 from eagle3_jax.decoding.sampling import SamplingParams, sample
 from eagle3_jax.decoding.tree import TreeConfig, build_tree
 from eagle3_jax.decoding.verify import accept, commit_path, verify_forward
@@ -47,10 +49,7 @@ class EagleState:
     root: jax.Array  # [B] last emitted token (not yet in either cache)
     root_logp: jax.Array  # [B, Vd] draft log-probs for the root's children
     root_h: jax.Array  # [B, D] draft feature at the context's last index
-    tokens: jax.Array  # [B, N + W] emitted ids (-1 unused), W = depth + 1 of slack
-    num_generated: jax.Array  # [B]
-    done: jax.Array  # [B]
-    hit_eos: jax.Array  # [B]
+    out: Emitted  # emitted tokens [B, N] and stop flags
     rounds: jax.Array  # [B] rounds each row took part in
     accept_hist: jax.Array  # [B, W + 1] count of rounds that emitted j tokens
     step: jax.Array  # [] rounds so far (any row)
@@ -68,26 +67,6 @@ class EagleOutput:
     hit_eos: jax.Array
     rounds: jax.Array
     accept_hist: jax.Array
-
-
-def _emit(state: EagleState, new_tokens: jax.Array, count: jax.Array, active: jax.Array,
-          max_new_tokens: int, eos_token_ids: tuple[int, ...]) -> EagleState:
-    """Append the first ``count`` [B] of ``new_tokens`` [B, W] to the output, stopping at EOS."""
-    b, w = new_tokens.shape
-    j = jnp.arange(w)[None, :]
-    is_eos = jnp.zeros(new_tokens.shape, bool)
-    for eos in eos_token_ids:
-        is_eos = is_eos | (new_tokens == eos)
-    first_eos = jnp.min(jnp.where(is_eos & (j < count[:, None]), j, w), axis=1)
-    room = max_new_tokens - state.num_generated
-    n_emit = jnp.where(active, jnp.minimum(jnp.minimum(count, first_eos), room), 0)
-    dst = jnp.where(j < n_emit[:, None], state.num_generated[:, None] + j, state.tokens.shape[1])
-    tokens = state.tokens.at[jnp.arange(b)[:, None], dst].set(new_tokens, mode="drop")
-    num_generated = state.num_generated + n_emit
-    hit_eos = state.hit_eos | (active & (first_eos < jnp.minimum(count, room)))
-    done = state.done | ~active | hit_eos | (num_generated >= max_new_tokens)
-    return dataclasses.replace(state, tokens=tokens, num_generated=num_generated,
-                               hit_eos=hit_eos, done=done)
 
 
 def _draft_extend(head: DraftHead, embed, taps, next_tokens, count, draft_k, draft_v, end):
@@ -128,18 +107,14 @@ def _prefill(target_params, head: DraftHead, prompt_tokens, prompt_lengths, key,
         head, target_params["embed"], out.taps, shifted, prompt_lengths, empty_k, empty_v,
         jnp.zeros((b,), jnp.int32))
     width = tree_cfg.depth + 1
-    state = EagleState(
-        cache=cache, draft_k=draft_k, draft_v=draft_v, root=first, root_logp=root_logp,
-        root_h=root_h, tokens=jnp.full((b, max_new_tokens + width), -1, jnp.int32),
-        num_generated=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool),
-        hit_eos=jnp.zeros((b,), bool), rounds=jnp.zeros((b,), jnp.int32),
-        accept_hist=jnp.zeros((b, width + 1), jnp.int32), step=jnp.zeros((), jnp.int32), key=key)
-    active = prompt_lengths > 0
-    state = _emit(state, first[:, None], jnp.ones((b,), jnp.int32), active, max_new_tokens,
-                  eos_token_ids)
+    out = append_tokens(Emitted.empty(b, max_new_tokens), first[:, None],
+                        jnp.ones((b,), jnp.int32), prompt_lengths > 0, eos_token_ids)
     # A prompt that leaves no room for one tree stops after the prefill token (as _round does).
-    full = state.cache.end + tree_cfg.total_tokens + width > max_len
-    return dataclasses.replace(state, done=state.done | full)
+    out = out.stop_where(cache.end + tree_cfg.total_tokens + width > max_len)
+    return EagleState(
+        cache=cache, draft_k=draft_k, draft_v=draft_v, root=first, root_logp=root_logp,
+        root_h=root_h, out=out, rounds=jnp.zeros((b,), jnp.int32),
+        accept_hist=jnp.zeros((b, width + 1), jnp.int32), step=jnp.zeros((), jnp.int32), key=key)
 
 
 def draft_proposer(target_params, head: DraftHead, state: EagleState, cfg: TargetConfig,
@@ -151,8 +126,7 @@ def draft_proposer(target_params, head: DraftHead, state: EagleState, cfg: Targe
 
 
 def _round(target_params, head: DraftHead, state: EagleState, *, cfg: TargetConfig,
-           tree_cfg: TreeConfig, sampling, eos_token_ids, max_new_tokens,
-           proposer=draft_proposer) -> EagleState:
+           tree_cfg: TreeConfig, sampling, eos_token_ids, proposer=draft_proposer) -> EagleState:
     """One draft-verify-accept-commit round for every row that is not done.
 
     ``proposer(target_params, head, state, cfg, tree_cfg) -> DraftTree`` makes the tree; tests
@@ -160,7 +134,7 @@ def _round(target_params, head: DraftHead, state: EagleState, *, cfg: TargetConf
     """
     b = state.root.shape[0]
     rows = jnp.arange(b)[:, None]
-    active = ~state.done
+    active = ~state.out.done
     end = state.cache.end
     embed = target_params["embed"]
     tree = proposer(target_params, head, state, cfg, tree_cfg)
@@ -189,30 +163,42 @@ def _round(target_params, head: DraftHead, state: EagleState, *, cfg: TargetConf
         rounds=state.rounds + active.astype(jnp.int32),
         accept_hist=state.accept_hist.at[rows[:, 0], count].add(active.astype(jnp.int32)),
         step=step)
-    state = _emit(state, new_tokens, count, active, max_new_tokens, eos_token_ids)
+    out = append_tokens(state.out, new_tokens, count, active, eos_token_ids)
     # A row stops when the next tree would not fit in its target cache.
-    full = state.cache.end + tree_cfg.total_tokens + width > state.cache.max_len
-    return dataclasses.replace(state, done=state.done | full)
+    out = out.stop_where(cache.end + tree_cfg.total_tokens + width > cache.max_len)
+    return dataclasses.replace(state, out=out)
 
 
-_STATIC = ("cfg", "tree_cfg", "sampling", "eos_token_ids", "max_new_tokens", "max_len",
-           "proposer")
+@dataclasses.dataclass(frozen=True)
+class EagleDecoding:
+    """EAGLE-3 decoding as a driver spec (:mod:`eagle3_jax.decoding.driver`); its ``params``
+    are ``(target_params, head)``."""
 
+    cfg: TargetConfig
+    tree: TreeConfig
+    max_new_tokens: int
+    max_len: int
+    sampling: SamplingParams = SamplingParams()
+    eos_token_ids: tuple[int, ...] = ()
+    proposer: Callable = draft_proposer
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _generate_jit(target_params, head, prompt_tokens, prompt_lengths, key, *, cfg, tree_cfg,
-                  sampling, eos_token_ids, max_new_tokens, max_len,
-                  proposer=draft_proposer) -> EagleOutput:
-    state = _prefill(target_params, head, prompt_tokens, prompt_lengths, key, cfg=cfg,
-                     tree_cfg=tree_cfg, sampling=sampling, eos_token_ids=eos_token_ids,
-                     max_new_tokens=max_new_tokens, max_len=max_len)
-    body = functools.partial(_round, target_params, head, cfg=cfg, tree_cfg=tree_cfg,
-                             sampling=sampling, eos_token_ids=eos_token_ids,
-                             max_new_tokens=max_new_tokens, proposer=proposer)
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-    return EagleOutput(tokens=state.tokens[:, :max_new_tokens],
-                       num_generated=state.num_generated, hit_eos=state.hit_eos,
-                       rounds=state.rounds, accept_hist=state.accept_hist)
+    def prefill(self, params, prompt_tokens, prompt_lengths, key) -> EagleState:
+        target_params, head = params
+        return _prefill(target_params, head, prompt_tokens, prompt_lengths, key, cfg=self.cfg,
+                        tree_cfg=self.tree, sampling=self.sampling,
+                        eos_token_ids=self.eos_token_ids, max_new_tokens=self.max_new_tokens,
+                        max_len=self.max_len)
+
+    def step(self, params, state: EagleState) -> EagleState:
+        target_params, head = params
+        return _round(target_params, head, state, cfg=self.cfg, tree_cfg=self.tree,
+                      sampling=self.sampling, eos_token_ids=self.eos_token_ids,
+                      proposer=self.proposer)
+
+    def output(self, state: EagleState) -> EagleOutput:
+        return EagleOutput(tokens=state.out.tokens, num_generated=state.out.num_generated,
+                           hit_eos=state.out.hit_eos, rounds=state.rounds,
+                           accept_hist=state.accept_hist)
 
 
 def eagle_cache_size(cfg: TargetConfig, prompt_width: int, max_new_tokens: int,
@@ -220,15 +206,30 @@ def eagle_cache_size(cfg: TargetConfig, prompt_width: int, max_new_tokens: int,
     """Target KV slots: prompt + new tokens + one tree + one round of slack, bucketed and capped
     at the model context (as plain decoding does: a row that fills the context stops there).
 
-    Raises ValueError when not even the prompt and one tree fit the context.
+    Raises GenerationError when not even the prompt and one tree fit the context.
     """
     tree_room = tree_cfg.total_tokens + tree_cfg.depth + 2
     context = cfg.max_position_embeddings
     if prompt_width + tree_room > context:
-        raise ValueError(
+        raise GenerationError(
             f"prompt of {prompt_width} tokens + one draft tree ({tree_room} slots) exceeds the "
             f"model context of {context} tokens; shorten the prompt or use a smaller tree")
     return min(bucket(prompt_width + max_new_tokens + tree_room), context)
+
+
+def eagle_decoding(cfg: TargetConfig, head: DraftHead, prompt_tokens, prompt_lengths, *,
+                   max_new_tokens: int, tree: TreeConfig = TreeConfig(),
+                   sampling: SamplingParams = SamplingParams(), eos_token_ids: Sequence[int] = (),
+                   max_len: int | None = None, proposer=draft_proposer):
+    """(EagleDecoding, tokens, lengths) after the driver's one argument check (the same as
+    plain decoding's) and the head's fit to the target."""
+    head.cfg.check_fits(cfg)
+    tokens, lengths, max_len = check_prompts(
+        cfg, prompt_tokens, prompt_lengths, max_new_tokens, max_len,
+        lambda width: eagle_cache_size(cfg, width, max_new_tokens, tree))
+    spec = EagleDecoding(cfg, tree, int(max_new_tokens), max_len, sampling,
+                         eos_tuple(eos_token_ids), proposer)
+    return spec, tokens, lengths
 
 
 def generate_eagle(
@@ -252,36 +253,11 @@ def generate_eagle(
     Output tokens equal plain decoding's for greedy sampling, and follow the target's exact
     distribution otherwise.
     """
-    head.cfg.check_fits(cfg)
-    tokens = jnp.asarray(prompt_tokens, jnp.int32)
-    lengths = jnp.asarray(prompt_lengths, jnp.int32)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if max_len is None:
-        max_len = eagle_cache_size(cfg, tokens.shape[1], max_new_tokens, tree)
+    spec, tokens, lengths = eagle_decoding(
+        cfg, head, prompt_tokens, prompt_lengths, max_new_tokens=max_new_tokens, tree=tree,
+        sampling=sampling, eos_token_ids=eos_token_ids, max_len=max_len, proposer=proposer)
     key = jax.random.PRNGKey(0) if key is None else key
-    return _generate_jit(target_params, head, tokens, lengths, key, cfg=cfg, tree_cfg=tree,
-                         sampling=sampling, eos_token_ids=tuple(int(e) for e in eos_token_ids),
-                         max_new_tokens=int(max_new_tokens), max_len=int(max_len),
-                         proposer=proposer)
-
-
-_STEP_STATIC = ("cfg", "tree_cfg", "sampling", "eos_token_ids", "max_new_tokens")
-_prefill_jit = jax.jit(_prefill, static_argnames=_STEP_STATIC + ("max_len",))
-_round_jit = jax.jit(_round, static_argnames=_STEP_STATIC + ("proposer",),
-                     donate_argnames=("state",))
-
-
-def _eagle_args(cfg, head, prompt_tokens, prompt_lengths, max_new_tokens, tree, eos_token_ids,
-                max_len):
-    head.cfg.check_fits(cfg)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    tokens = jnp.asarray(prompt_tokens, jnp.int32)
-    if max_len is None:
-        max_len = eagle_cache_size(cfg, tokens.shape[1], max_new_tokens, tree)
-    return (tokens, jnp.asarray(prompt_lengths, jnp.int32), int(max_len),
-            tuple(int(e) for e in eos_token_ids))
+    return driver.run(spec, (target_params, head), tokens, lengths, key)
 
 
 def compile_generate_eagle(target_params, cfg: TargetConfig, head: DraftHead, prompt_tokens,
@@ -293,16 +269,16 @@ def compile_generate_eagle(target_params, cfg: TargetConfig, head: DraftHead, pr
 
     Returns ``run(target_params, head, prompt_tokens, prompt_lengths, key) -> EagleOutput``.
     """
-    tokens, lengths, max_len, eos = _eagle_args(cfg, head, prompt_tokens, prompt_lengths,
-                                                max_new_tokens, tree, eos_token_ids, max_len)
-    compiled = _generate_jit.lower(
-        target_params, head, tokens, lengths, jax.random.PRNGKey(0), cfg=cfg, tree_cfg=tree,
-        sampling=sampling, eos_token_ids=eos, max_new_tokens=int(max_new_tokens),
-        max_len=max_len).compile()
+    spec, tokens, lengths = eagle_decoding(
+        cfg, head, prompt_tokens, prompt_lengths, max_new_tokens=max_new_tokens, tree=tree,
+        sampling=sampling, eos_token_ids=eos_token_ids, max_len=max_len)
+    compiled = driver.compile_run(spec, (target_params, head), tokens, lengths)
 
     def run(target_params, head, prompt_tokens, prompt_lengths, key) -> EagleOutput:
-        return compiled(target_params, head, jnp.asarray(prompt_tokens, jnp.int32),
-                        jnp.asarray(prompt_lengths, jnp.int32), key)
+        _, tokens, lengths = eagle_decoding(cfg, head, prompt_tokens, prompt_lengths,
+                                            max_new_tokens=max_new_tokens, tree=tree,
+                                            max_len=spec.max_len)
+        return compiled((target_params, head), tokens, lengths, key)
 
     return run
 
@@ -315,20 +291,11 @@ def generate_eagle_stream(target_params, cfg: TargetConfig, head: DraftHead, pro
     """Like :func:`generate_eagle`, but yields after the prefill and after every round.
 
     Each item holds, per row, the int32 tokens emitted in that step (empty when none). The same
-    ``_prefill`` and ``_round`` run (jitted apart), with the same keys, so the tokens equal
+    prefill and round run (jitted apart), with the same keys, so the tokens equal
     :func:`generate_eagle`'s for the same ``key``.
     """
-    tokens, lengths, max_len, eos = _eagle_args(cfg, head, prompt_tokens, prompt_lengths,
-                                                max_new_tokens, tree, eos_token_ids, max_len)
+    spec, tokens, lengths = eagle_decoding(
+        cfg, head, prompt_tokens, prompt_lengths, max_new_tokens=max_new_tokens, tree=tree,
+        sampling=sampling, eos_token_ids=eos_token_ids, max_len=max_len)
     key = jax.random.PRNGKey(0) if key is None else key
-    static = dict(cfg=cfg, tree_cfg=tree, sampling=sampling, eos_token_ids=eos,
-                  max_new_tokens=int(max_new_tokens))
-    state = _prefill_jit(target_params, head, tokens, lengths, key, max_len=max_len, **static)
-    produced = np.zeros(tokens.shape[0], np.int64)
-    while True:
-        out, count, done = jax.device_get((state.tokens, state.num_generated, state.done))
-        yield [out[i, produced[i]:count[i]] for i in range(out.shape[0])]
-        produced = count.astype(np.int64)
-        if done.all():
-            return
-        state = _round_jit(target_params, head, state, **static)
+    yield from driver.stream(spec, (target_params, head), tokens, lengths, key)

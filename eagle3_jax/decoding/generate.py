@@ -1,29 +1,28 @@
 """Plain (non-speculative) autoregressive generation: one prefill, then one decode step per token.
 
-``generate`` is a single jitted function: a prefill forward over the padded prompts, then one
-``lax.while_loop`` over :func:`_decode_step` until every row is done. ``generate_stream`` runs
-the *same* prefill and step functions, jitted separately, and yields each step's tokens to the
-host (for printing as they are made). Both draw the same random keys, so for a given ``key``
-they produce the same tokens.
+:class:`PlainDecoding` is the spec the generation driver (:mod:`eagle3_jax.decoding.driver`)
+runs: ``prefill`` is a forward over the padded prompts that samples each row's first token,
+``step`` feeds each row's last token and samples the next. ``generate`` runs them in one jitted
+``lax.while_loop``; ``generate_stream`` runs the *same* prefill and step jitted apart and yields
+each step's tokens to the host. Both draw the same random keys, so for a given ``key`` they
+produce the same tokens.
 
 Decode state (all on device, fixed shapes)::
 
     cache          KVCache, S = max_len slots; end[b] = committed tokens of row b
     last_token     [B]    sampled but not yet in the cache (the next step's input)
     step           []     sampling steps so far (prefill's is step 0)
-    num_generated  [B]    tokens written to ``tokens``
-    tokens         [B, N] generated ids, -1 where nothing was generated; EOS is *not* written
-    done           [B]    row stopped: EOS, N tokens, cache full, or a padding row (length 0)
-    hit_eos        [B]    row stopped because it sampled an end-of-sequence id
+    out            Emitted: tokens [B, N] (-1 where nothing was generated; EOS is *not*
+                   written), num_generated [B], done [B], hit_eos [B]
 
-A row that is done still runs through the forward (the batch shape is static); its cache end no
-longer moves, so what it writes lands in a slot nobody reads, or is dropped past the end.
+A row is done on EOS, N tokens, a full cache, or as a padding row (length 0). A row that is done
+still runs through the forward (the batch shape is static); its cache end no longer moves, so
+what it writes lands in a slot nobody reads, or is dropped past the end.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -31,7 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from eagle3_jax.decoding import driver
 from eagle3_jax.decoding.batching import bucket
+from eagle3_jax.decoding.driver import Emitted, append_tokens, check_prompts, eos_tuple
 from eagle3_jax.decoding.sampling import SamplingParams, sample
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import Params
@@ -43,10 +44,7 @@ class DecodeState:
     cache: KVCache
     last_token: jax.Array  # [B] int32
     step: jax.Array  # [] int32
-    num_generated: jax.Array  # [B] int32
-    tokens: jax.Array  # [B, N] int32
-    done: jax.Array  # [B] bool
-    hit_eos: jax.Array  # [B] bool
+    out: Emitted
     key: jax.Array
 
 
@@ -68,85 +66,48 @@ class GenerateOutput:
     steps: jax.Array
 
 
-def _record(state: DecodeState, token: jax.Array, active: jax.Array,
-            eos_token_ids: tuple[int, ...]) -> DecodeState:
-    """Store the token [B] sampled by each ``active`` row and update the stop flags."""
-    max_new_tokens = state.tokens.shape[1]
-    is_eos = jnp.zeros_like(active)
-    for eos in eos_token_ids:
-        is_eos = is_eos | (token == eos)
-    is_eos = is_eos & active
-    write = active & ~is_eos
-    slot = jnp.arange(max_new_tokens)[None, :] == state.num_generated[:, None]  # [B, N]
-    tokens = jnp.where(slot & write[:, None], token[:, None], state.tokens)
-    num_generated = state.num_generated + write.astype(jnp.int32)
-    # A row whose cache is full cannot feed its last token back: it stops after emitting it.
-    cache_full = state.cache.end >= state.cache.max_len
-    done = ~active | is_eos | (num_generated >= max_new_tokens) | cache_full
-    return dataclasses.replace(
-        state,
-        last_token=jnp.where(write, token, state.last_token),
-        num_generated=num_generated,
-        tokens=tokens,
-        done=done,
-        hit_eos=state.hit_eos | is_eos,
-    )
+@dataclasses.dataclass(frozen=True)
+class PlainDecoding:
+    """Plain decoding of ``cfg`` as a driver spec (see :mod:`eagle3_jax.decoding.driver`)."""
 
+    cfg: TargetConfig
+    max_new_tokens: int
+    max_len: int
+    sampling: SamplingParams = SamplingParams()
+    eos_token_ids: tuple[int, ...] = ()
 
-def _prefill(params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
-             key: jax.Array, *, cfg: TargetConfig, max_new_tokens: int,
-             sampling: SamplingParams, eos_token_ids: tuple[int, ...],
-             max_len: int) -> DecodeState:
-    """Run all P (right-padded) prompt tokens at once and sample each row's first token."""
-    b = prompt_tokens.shape[0]
-    out = prefill(params, cfg, prompt_tokens, prompt_lengths, max_len)
-    token = sample(jax.random.fold_in(key, 0), out.logits[:, 0], sampling)
-    state = DecodeState(
-        cache=out.cache,
-        last_token=jnp.zeros((b,), jnp.int32),
-        step=jnp.zeros((), jnp.int32),
-        num_generated=jnp.zeros((b,), jnp.int32),
-        tokens=jnp.full((b, max_new_tokens), -1, jnp.int32),
-        done=jnp.zeros((b,), bool),
-        hit_eos=jnp.zeros((b,), bool),
-        key=key,
-    )
-    return _record(state, token, prompt_lengths > 0, eos_token_ids)
+    def _emit(self, state: DecodeState, token: jax.Array, active: jax.Array) -> DecodeState:
+        out = append_tokens(state.out, token[:, None], jnp.ones_like(state.cache.end), active,
+                            self.eos_token_ids)
+        # A row whose cache is full cannot feed its last token back: it stops after emitting it.
+        out = out.stop_where(state.cache.end >= state.cache.max_len)
+        return dataclasses.replace(state, last_token=token, out=out)
 
+    def prefill(self, params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+                key: jax.Array) -> DecodeState:
+        """Run all P (right-padded) prompt tokens at once and sample each row's first token."""
+        b = prompt_tokens.shape[0]
+        out = prefill(params, self.cfg, prompt_tokens, prompt_lengths, self.max_len)
+        token = sample(jax.random.fold_in(key, 0), out.logits[:, 0], self.sampling)
+        state = DecodeState(cache=out.cache, last_token=jnp.zeros((b,), jnp.int32),
+                            step=jnp.zeros((), jnp.int32),
+                            out=Emitted.empty(b, self.max_new_tokens), key=key)
+        return self._emit(state, token, prompt_lengths > 0)
 
-def _decode_step(params: Params, state: DecodeState, *, cfg: TargetConfig,
-                 sampling: SamplingParams, eos_token_ids: tuple[int, ...]) -> DecodeState:
-    """Feed each row's last token at slot ``end``, advance live rows by one, sample the next."""
-    cache = state.cache
-    active = ~state.done
-    out = forward(params, cfg, state.last_token[:, None], cache.end[:, None],
-                  causal_mask(cache.end, 1, cache.max_len), cache)
-    step = state.step + 1
-    token = sample(jax.random.fold_in(state.key, step), out.logits[:, 0], sampling)
-    cache = dataclasses.replace(out.cache, end=cache.end + active.astype(jnp.int32))
-    return _record(dataclasses.replace(state, cache=cache, step=step), token, active,
-                   eos_token_ids)
+    def step(self, params: Params, state: DecodeState) -> DecodeState:
+        """Feed each row's last token at slot ``end``, advance live rows by one, sample next."""
+        cache = state.cache
+        active = ~state.out.done
+        out = forward(params, self.cfg, state.last_token[:, None], cache.end[:, None],
+                      causal_mask(cache.end, 1, cache.max_len), cache)
+        step = state.step + 1
+        token = sample(jax.random.fold_in(state.key, step), out.logits[:, 0], self.sampling)
+        cache = dataclasses.replace(out.cache, end=cache.end + active.astype(jnp.int32))
+        return self._emit(dataclasses.replace(state, cache=cache, step=step), token, active)
 
-
-_STATIC = ("cfg", "max_new_tokens", "sampling", "eos_token_ids", "max_len")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _generate_jit(params, prompt_tokens, prompt_lengths, key, *, cfg, max_new_tokens,
-                  sampling, eos_token_ids, max_len) -> GenerateOutput:
-    state = _prefill(params, prompt_tokens, prompt_lengths, key, cfg=cfg,
-                     max_new_tokens=max_new_tokens, sampling=sampling,
-                     eos_token_ids=eos_token_ids, max_len=max_len)
-    body = functools.partial(_decode_step, params, cfg=cfg, sampling=sampling,
-                             eos_token_ids=eos_token_ids)
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-    return GenerateOutput(tokens=state.tokens, num_generated=state.num_generated,
-                          hit_eos=state.hit_eos, steps=state.step)
-
-
-_prefill_jit = jax.jit(_prefill, static_argnames=_STATIC)
-_decode_step_jit = jax.jit(_decode_step, static_argnames=("cfg", "sampling", "eos_token_ids"),
-                           donate_argnames=("state",))
+    def output(self, state: DecodeState) -> GenerateOutput:
+        return GenerateOutput(tokens=state.out.tokens, num_generated=state.out.num_generated,
+                              hit_eos=state.out.hit_eos, steps=state.step)
 
 
 def cache_size(cfg: TargetConfig, prompt_width: int, max_new_tokens: int) -> int:
@@ -154,33 +115,15 @@ def cache_size(cfg: TargetConfig, prompt_width: int, max_new_tokens: int) -> int
     return bucket(prompt_width + max_new_tokens, 16, cfg.max_position_embeddings)
 
 
-def _check_args(cfg, prompt_tokens, prompt_lengths, max_new_tokens, max_len):
-    """Host-side validation; returns (tokens, lengths, max_len) ready for the jitted code."""
-    tokens = np.asarray(prompt_tokens)
-    lengths = np.asarray(prompt_lengths)
-    if tokens.ndim != 2 or lengths.shape != tokens.shape[:1]:
-        raise ValueError(f"prompt_tokens must be [B, P] and prompt_lengths [B], got "
-                         f"{tokens.shape} and {lengths.shape}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    width = tokens.shape[1]
-    longest = int(lengths.max())
-    if lengths.min() < 0 or longest > width:
-        raise ValueError(f"prompt_lengths must be in [0, {width}] (the padded width), "
-                         f"got {lengths.tolist()}")
-    context = cfg.max_position_embeddings
-    if longest > context:
-        raise ValueError(f"prompt of {longest} tokens is longer than the model context of "
-                         f"{context} tokens; shorten the prompt")
-    if max_len is None:
-        max_len = cache_size(cfg, width, max_new_tokens)
-    if max_len > context:
-        raise ValueError(f"max_len {max_len} exceeds the model context of {context} tokens; "
-                         f"use max_len <= {context}")
-    if longest > max_len:
-        raise ValueError(f"prompt of {longest} tokens does not fit a KV cache of max_len "
-                         f"{max_len} slots; raise max_len (at most the context, {context})")
-    return jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32), int(max_len)
+def plain_decoding(cfg: TargetConfig, prompt_tokens, prompt_lengths, *, max_new_tokens: int,
+                   sampling: SamplingParams = SamplingParams(), eos_token_ids: Sequence[int] = (),
+                   max_len: int | None = None):
+    """(PlainDecoding, tokens, lengths) after the driver's one argument check."""
+    tokens, lengths, max_len = check_prompts(
+        cfg, prompt_tokens, prompt_lengths, max_new_tokens, max_len,
+        lambda width: cache_size(cfg, width, max_new_tokens))
+    spec = PlainDecoding(cfg, int(max_new_tokens), max_len, sampling, eos_tuple(eos_token_ids))
+    return spec, tokens, lengths
 
 
 def generate(
@@ -210,14 +153,13 @@ def generate(
     Returns:
       :class:`GenerateOutput` with tokens [B, N] (-1 padded) and num_generated [B].
     Raises:
-      ValueError: a prompt longer than the model context or the cache.
+      GenerationError (a ValueError): a prompt longer than the model context or the cache.
     """
-    tokens, lengths, max_len = _check_args(cfg, prompt_tokens, prompt_lengths, max_new_tokens,
-                                           max_len)
+    spec, tokens, lengths = plain_decoding(cfg, prompt_tokens, prompt_lengths,
+                                           max_new_tokens=max_new_tokens, sampling=sampling,
+                                           eos_token_ids=eos_token_ids, max_len=max_len)
     key = jax.random.PRNGKey(0) if key is None else key
-    return _generate_jit(params, tokens, lengths, key, cfg=cfg, max_new_tokens=max_new_tokens,
-                         sampling=sampling, eos_token_ids=tuple(int(e) for e in eos_token_ids),
-                         max_len=max_len)
+    return driver.run(spec, params, tokens, lengths, key)
 
 
 def compile_generate(
@@ -236,16 +178,14 @@ def compile_generate(
     Returns ``run(params, prompt_tokens, prompt_lengths, key) -> GenerateOutput`` for arrays of
     the same shapes (any contents), with the same settings as given here.
     """
-    tokens, lengths, max_len = _check_args(cfg, prompt_tokens, prompt_lengths, max_new_tokens,
-                                           max_len)
-    eos = tuple(int(e) for e in eos_token_ids)
-    compiled = _generate_jit.lower(
-        params, tokens, lengths, jax.random.PRNGKey(0), cfg=cfg, max_new_tokens=max_new_tokens,
-        sampling=sampling, eos_token_ids=eos, max_len=max_len).compile()
+    spec, tokens, lengths = plain_decoding(cfg, prompt_tokens, prompt_lengths,
+                                           max_new_tokens=max_new_tokens, sampling=sampling,
+                                           eos_token_ids=eos_token_ids, max_len=max_len)
+    compiled = driver.compile_run(spec, params, tokens, lengths)
 
     def run(params, prompt_tokens, prompt_lengths, key) -> GenerateOutput:
-        tokens, lengths, _ = _check_args(cfg, prompt_tokens, prompt_lengths, max_new_tokens,
-                                         max_len)
+        _, tokens, lengths = plain_decoding(cfg, prompt_tokens, prompt_lengths,
+                                            max_new_tokens=max_new_tokens, max_len=spec.max_len)
         return compiled(params, tokens, lengths, key)
 
     return run
@@ -269,17 +209,9 @@ def generate_stream(
     it produced none (finished, or sampled EOS). Same arguments and same tokens as
     :func:`generate` for the same ``key``; costs one small device-to-host copy per step.
     """
-    tokens, lengths, max_len = _check_args(cfg, prompt_tokens, prompt_lengths, max_new_tokens,
-                                           max_len)
+    spec, tokens, lengths = plain_decoding(cfg, prompt_tokens, prompt_lengths,
+                                           max_new_tokens=max_new_tokens, sampling=sampling,
+                                           eos_token_ids=eos_token_ids, max_len=max_len)
     key = jax.random.PRNGKey(0) if key is None else key
-    eos = tuple(int(e) for e in eos_token_ids)
-    state = _prefill_jit(params, tokens, lengths, key, cfg=cfg, max_new_tokens=max_new_tokens,
-                         sampling=sampling, eos_token_ids=eos, max_len=max_len)
-    produced = np.zeros(tokens.shape[0], np.int32)
-    while True:
-        last, count, done = jax.device_get((state.last_token, state.num_generated, state.done))
-        yield np.where(count > produced, last, -1).astype(np.int32)
-        produced = count
-        if done.all():
-            return
-        state = _decode_step_jit(params, state, cfg=cfg, sampling=sampling, eos_token_ids=eos)
+    for rows in driver.stream(spec, params, tokens, lengths, key):
+        yield np.array([row[0] if len(row) else -1 for row in rows], np.int32)

@@ -142,16 +142,16 @@ def build_tree(
     """
     k, depth = tree_cfg.top_k, tree_cfg.depth
     b = root_tokens.shape[0]
-    d2t = vocab.draft_to_target
+    draft_to_target = vocab.draft_to_target  # [Vd] target id of each draft id
     num_cand = tree_cfg.num_candidates
     tree_slots = max((depth - 1) * k, 1)
     slots = jnp.arange(cache_v.shape[2])
 
     scores, ids = jax.lax.top_k(root_logp, k)  # [B, k]
-    cand_tokens = [d2t[ids]]
+    cand_tokens = [draft_to_target[ids]]
     cand_scores = [scores]
     cand_parents = [jnp.full((b, k), -1, jnp.int32)]
-    frontier_tokens, frontier_scores = d2t[ids], scores
+    frontier_tokens, frontier_scores = draft_to_target[ids], scores
     frontier_h = jnp.broadcast_to(root_h[:, None, :], (b, k, root_h.shape[-1]))
     frontier_cand = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
     frontier_anc = jnp.zeros((b, k, tree_slots), bool)  # ancestors' tree slots
@@ -169,7 +169,7 @@ def build_tree(
             cache_k, cache_v, end[:, None] + own[None, :])
         child_logp, child_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B,k,k]
         child_scores = (frontier_scores[:, :, None] + child_logp).reshape(b, k * k)
-        child_tokens = d2t[child_ids].reshape(b, k * k)
+        child_tokens = draft_to_target[child_ids].reshape(b, k * k)
         cand_tokens.append(child_tokens)
         cand_scores.append(child_scores)
         cand_parents.append(jnp.repeat(frontier_cand, k, axis=1))

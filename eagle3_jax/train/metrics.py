@@ -19,6 +19,8 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from eagle3_jax.draft.load import read_metrics  # noqa: F401  (shared with the head loader)
+
 
 def _plain(value: Any) -> Any:
     """numpy / jax scalars and arrays -> JSON-able floats and lists."""
@@ -49,20 +51,6 @@ class MetricsWriter:
     def write(self, record: Mapping[str, Any]) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(_plain(dict(record))) + "\n")
-
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a metrics JSONL file (a torn last line is skipped)."""
-    out = []
-    path = Path(path)
-    if not path.exists():
-        return out
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def plot_accuracy(records: Iterable[Mapping[str, Any]], png_path: str | Path) -> Path | None:

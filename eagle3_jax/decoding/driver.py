@@ -1,0 +1,170 @@
+"""One generation driver for plain and EAGLE decoding: a prefill and a step, run three ways.
+
+A *decoding* is a frozen, hashable spec (a static jit argument) with three pure methods::
+
+    prefill(params, prompt_tokens [B, P], prompt_lengths [B], key) -> state
+    step(params, state) -> state        # one decode step / one EAGLE round, every live row
+    output(state) -> result             # what the caller gets back
+
+where ``state.out`` is an :class:`Emitted` (the generated tokens so far and the stop flags).
+The driver runs it
+
+* :func:`run`: prefill, then ``lax.while_loop`` over ``step`` until every row is done, all in
+  one jitted call (no host round trip);
+* :func:`compile_run`: the same, compiled ahead of time for fixed shapes (compilation timed
+  apart);
+* :func:`stream`: the same prefill and step, jitted apart, yielding each step's new tokens to
+  the host. Same keys, so the same tokens as :func:`run`.
+
+:func:`append_tokens` is the one place tokens enter the output: per row, the first ``count`` of
+a step's tokens, cut before an end-of-sequence id and at ``max_new_tokens``. So the tokens a
+row emits (and the acceptance length, new tokens / rounds) never include an EOS or anything past
+the limit. :func:`check_prompts` is the one argument check of every decoder.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.model.config import TargetConfig
+
+
+class GenerationError(Eagle3Error, ValueError):
+    """Prompts or limits a decoder cannot run (too long, empty, malformed); says what fits."""
+
+
+@struct.dataclass
+class Emitted:
+    """Generated tokens and stop flags, fixed shapes.
+
+    tokens [B, N] int32 (-1 where nothing was emitted; EOS is never written), num_generated [B],
+    done [B] (EOS, N tokens, no room for another step, or a padding row), hit_eos [B].
+    """
+
+    tokens: jax.Array
+    num_generated: jax.Array
+    done: jax.Array
+    hit_eos: jax.Array
+
+    @classmethod
+    def empty(cls, batch: int, max_new_tokens: int) -> "Emitted":
+        return cls(tokens=jnp.full((batch, max_new_tokens), -1, jnp.int32),
+                   num_generated=jnp.zeros((batch,), jnp.int32),
+                   done=jnp.zeros((batch,), bool), hit_eos=jnp.zeros((batch,), bool))
+
+    def stop_where(self, full: jax.Array) -> "Emitted":
+        """Rows with no room for another step ([B] bool) are done."""
+        return self.replace(done=self.done | full)
+
+
+def append_tokens(out: Emitted, new_tokens: jax.Array, count: jax.Array, active: jax.Array,
+                  eos_token_ids: tuple[int, ...]) -> Emitted:
+    """Append the first ``count`` [B] of ``new_tokens`` [B, W] for ``active`` [B] rows.
+
+    A row stops at its first EOS among them (not written, ``hit_eos`` set) or once it holds
+    N = ``out.tokens.shape[1]`` tokens; inactive rows emit nothing and are done.
+    """
+    b, w = new_tokens.shape
+    max_new_tokens = out.tokens.shape[1]
+    j = jnp.arange(w)[None, :]
+    is_eos = jnp.zeros(new_tokens.shape, bool)
+    for eos in eos_token_ids:
+        is_eos = is_eos | (new_tokens == eos)
+    first_eos = jnp.min(jnp.where(is_eos & (j < count[:, None]), j, w), axis=1)
+    room = max_new_tokens - out.num_generated
+    n_emit = jnp.where(active, jnp.minimum(jnp.minimum(count, first_eos), room), 0)
+    dst = jnp.where(j < n_emit[:, None], out.num_generated[:, None] + j, max_new_tokens)
+    tokens = out.tokens.at[jnp.arange(b)[:, None], dst].set(new_tokens, mode="drop")
+    num_generated = out.num_generated + n_emit
+    hit_eos = out.hit_eos | (active & (first_eos < jnp.minimum(count, room)))
+    done = out.done | ~active | hit_eos | (num_generated >= max_new_tokens)
+    return Emitted(tokens=tokens, num_generated=num_generated, done=done, hit_eos=hit_eos)
+
+
+def check_prompts(cfg: TargetConfig, prompt_tokens, prompt_lengths, max_new_tokens: int,
+                  max_len: int | None, default_max_len) -> tuple[jax.Array, jax.Array, int]:
+    """Host-side validation of every decoder's inputs.
+
+    ``default_max_len(prompt_width) -> int`` gives the KV-cache slots when ``max_len`` is None
+    (it may raise GenerationError when not even the prompt fits). Returns (tokens [B, P] int32,
+    lengths [B] int32, max_len) ready for the jitted code.
+    """
+    tokens = np.asarray(prompt_tokens)
+    lengths = np.asarray(prompt_lengths)
+    if tokens.ndim != 2 or lengths.shape != tokens.shape[:1]:
+        raise GenerationError(f"prompt_tokens must be [B, P] and prompt_lengths [B], got "
+                              f"{tokens.shape} and {lengths.shape}")
+    if max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    width = tokens.shape[1]
+    longest = int(lengths.max())
+    if lengths.min() < 0 or longest > width:
+        raise GenerationError(f"prompt_lengths must be in [0, {width}] (the padded width), "
+                              f"got {lengths.tolist()}")
+    context = cfg.max_position_embeddings
+    if longest > context:
+        raise GenerationError(f"prompt of {longest} tokens is longer than the model context of "
+                              f"{context} tokens; shorten the prompt")
+    if max_len is None:
+        max_len = default_max_len(width)
+    if max_len > context:
+        raise GenerationError(f"max_len {max_len} exceeds the model context of {context} "
+                              f"tokens; use max_len <= {context}")
+    if longest > max_len:
+        raise GenerationError(f"prompt of {longest} tokens does not fit a KV cache of max_len "
+                              f"{max_len} slots; raise max_len (at most the context, {context})")
+    return jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32), int(max_len)
+
+
+def _loop(decoding, params, prompt_tokens, prompt_lengths, key):
+    state = decoding.prefill(params, prompt_tokens, prompt_lengths, key)
+    state = jax.lax.while_loop(lambda s: ~jnp.all(s.out.done),
+                               functools.partial(decoding.step, params), state)
+    return decoding.output(state)
+
+
+_loop_jit = jax.jit(_loop, static_argnames=("decoding",))
+_prefill_jit = jax.jit(lambda decoding, *args: decoding.prefill(*args),
+                       static_argnames=("decoding",))
+_step_jit = jax.jit(lambda decoding, params, state: decoding.step(params, state),
+                    static_argnames=("decoding",), donate_argnames=("state",))
+
+
+def run(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+        key: jax.Array):
+    """Generate in one jitted call; returns ``decoding.output(final state)``."""
+    return _loop_jit(decoding, params, prompt_tokens, prompt_lengths, key)
+
+
+def compile_run(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths: jax.Array):
+    """:func:`run` compiled ahead of time for these shapes: ``run(params, tokens, lengths,
+    key)`` for arrays of the same shapes (any contents)."""
+    return _loop_jit.lower(decoding, params, prompt_tokens, prompt_lengths,
+                           jax.random.PRNGKey(0)).compile()
+
+
+def stream(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+           key: jax.Array) -> Iterator[list[np.ndarray]]:
+    """Yield after the prefill and after every step: per row, the int32 tokens emitted in that
+    step (empty when none). Costs one small device-to-host copy per step."""
+    state = _prefill_jit(decoding, params, prompt_tokens, prompt_lengths, key)
+    produced = np.zeros(prompt_tokens.shape[0], np.int64)
+    while True:
+        out, count, done = jax.device_get((state.out.tokens, state.out.num_generated,
+                                           state.out.done))
+        yield [out[i, produced[i]:count[i]] for i in range(out.shape[0])]
+        produced = count.astype(np.int64)
+        if done.all():
+            return
+        state = _step_jit(decoding, params, state)
+
+
+def eos_tuple(eos_token_ids: Sequence[int]) -> tuple[int, ...]:
+    return tuple(int(e) for e in eos_token_ids)
