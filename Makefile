@@ -1,5 +1,6 @@
-# make demo : create .venv if missing, install, fetch the default model, run the decoder on it.
-# make test : the same set-up, then the whole test suite on an 8-device CPU-emulated mesh.
+# make demo      : create .venv if missing, install, fetch the default model, run the decoder on it.
+# make test      : the same set-up, then the whole test suite on an 8-device CPU-emulated mesh.
+# make test-fast : the same, without the tests marked `slow` (the edit loop).
 # Both are fast the second time: the venv and the model cache are reused.
 #
 # Installs use constraints.txt: the exact versions of every package of the tested venv, so a
@@ -13,7 +14,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 export EAGLE3_JAX_HOME ?= $(HOME)/.cache/eagle3_jax
 
-.PHONY: setup model demo test bench lock clean
+.PHONY: setup model demo test test-fast bench lock clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +32,9 @@ demo: model
 
 test: model
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q tests
+
+test-fast: model
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -m "not slow" tests
 
 bench: model
 	$(PY) -m eagle3_jax.bench forward
