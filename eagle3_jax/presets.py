@@ -1,4 +1,4 @@
-"""Named target presets: a YAML file per model in ``configs/``.
+"""Named target presets: a YAML file per model in ``configs/``, shipped with the package.
 
 A preset file::
 
@@ -9,12 +9,21 @@ A preset file::
     notes: free text
 
 ``load_preset("llama-3.1-8b-instruct")`` reads ``configs/llama-3.1-8b-instruct.yaml``;
-``load_preset("path/to/file.yaml")`` reads that file.
+``load_preset("path/to/file.yaml")`` reads that file. ``configs/`` also holds the training
+configs (``train-*.yaml``, whose ``target`` is a preset *name*); :func:`train_config_path` finds
+those by name the same way.
+
+Where ``configs/`` lives: at the top of the repository, with ``eagle3_jax/configs`` a symlink to
+it, so a source checkout, an editable install and ``PYTHONPATH=<repo>`` all read the repo's
+files; a wheel (and an sdist) holds real copies as package data. Either way it is found with
+``importlib.resources`` (:data:`CONFIGS_DIR`), never relative to the working directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +33,8 @@ from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.model.config import ConfigError, TargetConfig
 from eagle3_jax.sharding import MeshConfig, MeshError
 
-CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+# The shipped configs/ folder: a Path for every on-disk install (a Traversable in general).
+CONFIGS_DIR: Traversable = importlib.resources.files("eagle3_jax") / "configs"
 BUILTIN_WEIGHTS = ("builtin:smollm2-135m-instruct",)
 DEFAULT_PRESET = "smollm2-135m"
 _KEYS = ("name", "target", "weights", "mesh", "notes")
@@ -49,10 +59,20 @@ def list_presets() -> list[str]:
     ``configs/`` also holds other YAML (training configs, whose ``target`` is a preset *name*);
     a target preset is a file whose ``target`` is a mapping.
     """
-    return sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml") if _is_preset_file(p))
+    return sorted(name for name, file in _shipped_yaml().items() if _is_preset_file(file))
 
 
-def _is_preset_file(path: Path) -> bool:
+def list_train_configs() -> list[str]:
+    """Names of the training configs in ``configs/`` (every YAML there that is not a preset)."""
+    return sorted(name for name, file in _shipped_yaml().items() if not _is_preset_file(file))
+
+
+def _shipped_yaml() -> dict[str, Traversable]:
+    return {f.name.removesuffix(".yaml"): f for f in CONFIGS_DIR.iterdir()
+            if f.name.endswith(".yaml") and f.is_file()}
+
+
+def _is_preset_file(path: Traversable) -> bool:
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError):
@@ -60,17 +80,43 @@ def _is_preset_file(path: Path) -> bool:
     return isinstance(data, dict) and isinstance(data.get("target"), dict)
 
 
-def preset_path(name_or_path: str | Path) -> Path:
+def _shipped_file(name: str) -> Traversable | None:
+    # "name" or "name.yaml" of a file directly in configs/ (no folders: a path is a path).
+    stem = name.removesuffix(".yaml")
+    if not stem or "/" in stem or "\\" in stem:
+        return None
+    return _shipped_yaml().get(stem)
+
+
+def preset_path(name_or_path: str | Path) -> Path | Traversable:
     """The YAML file of a preset name, or the given path if it is an existing file."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") and path.is_file():
         return path
-    candidate = CONFIGS_DIR / f"{name_or_path}.yaml"
-    if candidate.is_file() and _is_preset_file(candidate):
-        return candidate
+    shipped = _shipped_file(str(name_or_path))
+    if shipped is not None and _is_preset_file(shipped):
+        return shipped
     raise PresetError(
         f"unknown preset {str(name_or_path)!r}; available presets: "
         f"{', '.join(list_presets()) or '(none)'} (or give the path of a .yaml file)"
+    )
+
+
+def train_config_path(name_or_path: str | Path) -> Path | Traversable:
+    """A training config: the given path if it is an existing file, else the shipped
+    ``configs/<name>.yaml`` of that name (``train-smollm2-135m`` or ``train-smollm2-135m.yaml``).
+
+    Raises ConfigError listing the shipped training configs when it is neither.
+    """
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = _shipped_file(str(name_or_path))
+    if shipped is not None and not _is_preset_file(shipped):
+        return shipped
+    raise ConfigError(
+        f"train config {str(name_or_path)!r} is neither an existing file nor a shipped config; "
+        f"shipped: {', '.join(list_train_configs()) or '(none)'}"
     )
 
 
@@ -97,8 +143,8 @@ def load_preset(name_or_path: str | Path) -> Preset:
         mesh = MeshConfig(**(data.get("mesh") or {}))
     except (ConfigError, MeshError, TypeError) as e:
         raise PresetError(f"{path}: {e}") from None
-    return Preset(name=str(data.get("name") or path.stem), target=target, weights=weights,
-                  mesh=mesh, notes=str(data.get("notes") or "").strip())
+    return Preset(name=str(data.get("name") or Path(path.name).stem), target=target,
+                  weights=weights, mesh=mesh, notes=str(data.get("notes") or "").strip())
 
 
 def _floats(target: dict[str, Any]) -> dict[str, Any]:

@@ -1,12 +1,20 @@
-"""Every YAML preset in configs/ loads into a valid TargetConfig of the published size."""
+"""Every YAML preset in configs/ loads into a valid TargetConfig of the published size; presets
+and training configs are found by name through importlib.resources, from any directory."""
 
 from __future__ import annotations
 
+import importlib.resources
+from pathlib import Path
+
 import pytest
 
-from eagle3_jax.model.config import RopeScaling
-from eagle3_jax.presets import CONFIGS_DIR, PresetError, list_presets, load_preset
+from eagle3_jax.model.config import ConfigError, RopeScaling
+from eagle3_jax.presets import (CONFIGS_DIR, PresetError, list_presets, list_train_configs,
+                                load_preset, train_config_path)
 from eagle3_jax.sharding import MeshConfig
+from eagle3_jax.train.config import load_train_config
+
+REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 # Published parameter counts (model cards / HF safetensors metadata), +-2%.
 PUBLISHED_PARAMS = {
@@ -22,12 +30,44 @@ def test_every_preset_has_a_published_size():
     assert set(list_presets()) == set(PUBLISHED_PARAMS)
 
 
+def test_configs_are_found_through_the_package():
+    # CONFIGS_DIR is the package's configs/ (importlib.resources), and in a checkout it holds
+    # exactly the repo's top-level configs/ (eagle3_jax/configs links to it).
+    assert str(CONFIGS_DIR) == str(importlib.resources.files("eagle3_jax") / "configs")
+    shipped = {f.name for f in CONFIGS_DIR.iterdir()}
+    assert shipped == {p.name for p in REPO_CONFIGS.glob("*.yaml")}
+    assert set(list_presets()) | set(list_train_configs()) == {n[:-5] for n in shipped}
+
+
 def test_other_configs_are_not_presets():
     # configs/ also holds training configs (``target: <preset name>``); they are not listed.
-    others = {p.stem for p in CONFIGS_DIR.glob("*.yaml")} - set(list_presets())
+    others = set(list_train_configs())
+    assert others == {"train-smollm2-135m", "train-llama-3.1-8b-instruct"}
+    assert not others & set(list_presets())
     for name in others:
         with pytest.raises(PresetError, match="unknown preset"):
             load_preset(name)
+
+
+def test_lookup_by_name_does_not_depend_on_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_preset("smollm2-135m").name == "smollm2-135m"
+    by_name = load_train_config("train-smollm2-135m")
+    assert load_train_config("train-smollm2-135m.yaml") == by_name
+    assert load_train_config(REPO_CONFIGS / "train-smollm2-135m.yaml") == by_name
+    assert by_name.target == "smollm2-135m"
+
+
+def test_train_config_lookup():
+    assert train_config_path("train-llama-3.1-8b-instruct").name == \
+        "train-llama-3.1-8b-instruct.yaml"
+    with pytest.raises(ConfigError, match="'train-nope' is neither an existing file nor a "
+                                          "shipped config; shipped: train-llama"):
+        load_train_config("train-nope")
+    with pytest.raises(ConfigError, match="shipped: "):  # a target preset is not a train config
+        load_train_config("smollm2-135m")
+    with pytest.raises(ConfigError, match="neither an existing file"):  # paths are not names
+        load_train_config("no/such/train-smollm2-135m.yaml")
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
@@ -40,7 +80,7 @@ def test_preset_loads(name):
     assert abs(preset.target.num_params - want) / want < 0.02, preset.target.num_params
     hash(preset.target)  # usable as a static jit argument
     # load by path as well as by name
-    assert load_preset(CONFIGS_DIR / f"{name}.yaml") == preset
+    assert load_preset(REPO_CONFIGS / f"{name}.yaml") == preset
 
 
 def test_preset_details():

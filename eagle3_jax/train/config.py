@@ -147,14 +147,18 @@ class TrainConfig:
 
 def load_train_config(path: str | Path | None = None,
                       overrides: Sequence[str] = ()) -> TrainConfig:
-    """A YAML train config (defaults when ``path`` is None) with ``key=value`` overrides."""
+    """A YAML train config (defaults when ``path`` is None) with ``key=value`` overrides.
+
+    ``path`` is a file, or the name of a shipped config (``train-smollm2-135m``, see
+    :func:`eagle3_jax.presets.train_config_path`).
+    """
+    from eagle3_jax.presets import train_config_path
+
     data: dict[str, Any] = {}
     source = "train config"
     if path is not None:
-        path = Path(path)
+        path = train_config_path(path)
         source = str(path)
-        if not path.is_file():
-            raise ConfigError(f"train config file {source!r} does not exist")
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
