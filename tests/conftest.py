@@ -46,3 +46,11 @@ def smollm2_tokenizer(smollm2_gguf_path):
     from eagle3_jax.text import ChatTokenizer
 
     return ChatTokenizer.from_gguf(smollm2_gguf_path)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that reads the real SmolLM2 file (through the fixtures above) is ``slow``, so
+    ``make test-fast`` (``-m "not slow"``) is the random-weights suite."""
+    for item in items:
+        if "smollm2_gguf_path" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
