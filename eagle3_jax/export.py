@@ -1,7 +1,7 @@
 """``python -m eagle3_jax.export --checkpoint RUN_DIR [--step N] --out DIR [--dtype bfloat16]``
 
 Writes a training run's draft head in the released EAGLE-3 format (``config.json`` +
-``model.safetensors``, reference §6), loadable by ``eagle3_jax.draft.export.load_draft_head``,
+``model.safetensors``, reference §6), loadable by ``eagle3_jax.draft.load.load_head``,
 SGLang / SpecForge and vLLM.
 """
 
@@ -10,29 +10,33 @@ from __future__ import annotations
 import argparse
 import sys
 
+from eagle3_jax.errors import run_cli
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle3_jax.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="a training run's out_dir")
+    parser.add_argument("--checkpoint", required=True,
+                        help="a training run's out_dir (or its checkpoints/<step> folder)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
     parser.add_argument("--out", required=True, help="output folder for the head")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="weight dtype (default: the run's)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     args = parser.parse_args(argv)
 
-    from eagle3_jax.draft.export import DraftExportError, export_draft_head
-    from eagle3_jax.train.checkpointing import TrainCheckpointError
-    from eagle3_jax.train.loop import load_trained_head
+    def body() -> None:
+        from eagle3_jax.draft.export import export_draft_head
+        from eagle3_jax.draft.load import HeadError, check_head_path, load_head
 
-    try:
-        head, step = load_trained_head(args.checkpoint, args.step)
-        out = export_draft_head(head, args.out, dtype=args.dtype)
-    except (TrainCheckpointError, DraftExportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote the step-{step} draft head of {args.checkpoint} to {out}")
-    return 0
+        if (check_head_path(args.checkpoint) / "config.json").is_file():
+            raise HeadError(f"--checkpoint {args.checkpoint} is already a released-format head; "
+                            "give a training run's out_dir")
+        loaded = load_head(args.checkpoint, step=args.step)
+        out = export_draft_head(loaded.head, args.out, dtype=args.dtype)
+        print(f"wrote the step-{loaded.step} draft head of {args.checkpoint} to {out}")
+
+    return run_cli(body, debug=args.debug)
 
 
 if __name__ == "__main__":

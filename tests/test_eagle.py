@@ -135,6 +135,22 @@ def test_oracle_draft_reaches_max_acceptance(models, tree):
     assert (hist[:, tree.depth + 1] == 5).all() and hist.sum() == 10  # tau = depth + 1
 
 
+def test_accept_hist_counts_emitted_tokens_only(models):
+    """A round cut by max_new_tokens counts the tokens it emitted, not those it verified: the
+    rounds' tokens add up to every generated token but the prefill's."""
+    cfg, params, head = models
+    tree = TreeConfig.chain(3)
+    tokens, lengths = _prompts([9, 4], cfg.vocab_size)
+    max_new = 1 + 2 * (tree.depth + 1) + 2  # two full rounds, then a round cut after 2 tokens
+    out = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=max_new, tree=tree,
+                         proposer=oracle_proposer)
+    hist = np.asarray(out.accept_hist)
+    np.testing.assert_array_equal(out.rounds, [3, 3])
+    np.testing.assert_array_equal((hist * np.arange(hist.shape[1])).sum(1),
+                                  np.asarray(out.num_generated) - 1)
+    assert (hist[:, 2] == 1).all() and (hist[:, tree.depth + 1] == 2).all()
+
+
 # ---------------------------------------------------------------------------- tree invariants
 
 

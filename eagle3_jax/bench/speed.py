@@ -23,10 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from eagle3_jax.errors import UsageError, run_cli
 
 TASKS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum")
 PROMPTS_DIR = Path(__file__).parent / "prompts"
@@ -36,7 +37,7 @@ def load_questions(task: str, num_prompts: int) -> list[list[str]]:
     """The user turns of the first ``num_prompts`` questions of ``task``."""
     path = PROMPTS_DIR / task / "question.jsonl"
     if task not in TASKS or not path.is_file():
-        raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
+        raise UsageError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
     out = []
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -145,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EAGLE-3 head: released-format folder or training run / checkpoint")
     p.add_argument("--target", default=None, help="preset, HF folder or .gguf (default SmolLM2)")
     p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--top-k", "--tree-top-k", dest="top_k", type=int, default=None,
+    p.add_argument("--tree-top-k", type=int, default=None,
                    help="tree children per node (greedy decoding; not a sampling cut-off)")
     p.add_argument("--total-tokens", default=None, help="a number or 'auto'")
     p.add_argument("--accept-rates", default=None, metavar="A1,A2,...")
@@ -156,47 +157,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, *, load_fn: Callable | None = None) -> int:
-    from eagle3_jax.decode import CLIError
-
     args = build_parser().parse_args(argv)
-    try:
+
+    def body() -> None:
         run(args, load_fn)
-    except (CLIError, ValueError, OSError, RuntimeError) as e:
-        name = "" if isinstance(e, CLIError) else f"{type(e).__name__}: "
-        print(f"error: {name}{e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_cli(body)
 
 
 def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
     from eagle3_jax.bench.common import machine_description, write_json
-    from eagle3_jax.decode import (EagleDecoder, VanillaDecoder, load_draft, log,
-                                   parse_accept_rates, parse_total_tokens, resolve_tree)
+    from eagle3_jax.cli.decode import (autotune, parse_accept_rates, parse_total_tokens,
+                                       resolve_tree)
+    from eagle3_jax.cli.output import log
     from eagle3_jax.decoding import GREEDY
+    from eagle3_jax.decoding.decoders import CompileCache, EagleDecoder, PlainDecoder
+    from eagle3_jax.draft.load import check_head_path, load_head
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks or any(t not in TASKS for t in tasks):
-        raise ValueError(f"--tasks must name some of {', '.join(TASKS)}, got {args.tasks!r}")
+        raise UsageError(f"--tasks must name some of {', '.join(TASKS)}, got {args.tasks!r}")
     if not 1 <= args.num_prompts <= 80 or args.max_new_tokens < 1 or args.repeats < 1:
-        raise ValueError("--num-prompts must be in 1..80, --max-new-tokens and --repeats >= 1")
+        raise UsageError("--num-prompts must be in 1..80, --max-new-tokens and --repeats >= 1")
     total_tokens = parse_total_tokens(args.total_tokens)
     rates = parse_accept_rates(args.accept_rates)
-    tree = None if total_tokens == "auto" else resolve_tree(total_tokens, args.top_k, args.depth)
+    tree = None if total_tokens == "auto" else resolve_tree(total_tokens, args.tree_top_k, args.depth)
+    check_head_path(args.draft)
     questions = {t: load_questions(t, args.num_prompts) for t in tasks}
 
     if load_fn is None:
         from eagle3_jax.checkpoints import load_target as load_fn
     target = load_fn(args.target)
-    head, head_rates, description = load_draft(args.draft, target.cfg)
+    loaded = load_head(args.draft, target.cfg)
+    head, description = loaded.head, loaded.description
     if tree is None:
         first = target.tokenizer.apply_chat_template(
             [{"role": "user", "content": questions[tasks[0]][0][0]}], add_generation_prompt=True)
-        tree = resolve_tree("auto", args.top_k, args.depth, target=target, head=head,
-                            prompt_length=len(first), accept_rates=rates or head_rates,
-                            rates_source="--accept-rates" if rates else "the head's")
-    decoders = {"vanilla": VanillaDecoder(target, GREEDY, args.max_new_tokens, 0),
+        tree = autotune(target, loaded, len(first), args.tree_top_k, args.depth, rates).tree
+    cache = CompileCache(log)
+    decoders = {"vanilla": PlainDecoder(target, GREEDY, args.max_new_tokens, 0,
+                                        compile_cache=cache),
                 "eagle": EagleDecoder(target, GREEDY, args.max_new_tokens, 0, head=head,
-                                      tree=tree)}
+                                      tree=tree, compile_cache=cache)}
     log(f"[speed: {target.source} with {description}; tree top_k={tree.top_k} depth="
         f"{tree.depth} total_tokens={tree.total_tokens}]")
     results, warm = {}, set()

@@ -60,7 +60,7 @@ class EagleState:
 class EagleOutput:
     """tokens [B, max_new_tokens] (-1 padded, EOS excluded), num_generated [B], hit_eos [B],
     rounds [B] verification rounds per row, accept_hist [B, depth + 2]: rounds that emitted
-    j tokens (accepted drafts + 1)."""
+    j tokens (accepted drafts + 1, less an EOS or tokens past max_new_tokens)."""
 
     tokens: jax.Array
     num_generated: jax.Array
@@ -154,19 +154,21 @@ def _round(target_params, head: DraftHead, state: EagleState, *, cfg: TargetConf
     path_taps = jnp.take_along_axis(taps, jnp.maximum(acc.path, 0)[:, :, None], axis=1)
     root_h, root_logp, draft_k, draft_v = _draft_extend(
         head, embed, path_taps, new_tokens, count, state.draft_k, state.draft_v, end)
+    out = append_tokens(state.out, new_tokens, count, active, eos_token_ids)
+    # The round's acceptance length is what it emitted: an EOS and tokens past max_new_tokens
+    # are verified but not emitted, so not counted (new tokens / rounds, as everywhere).
+    emitted = out.num_generated - state.out.num_generated
+    # A row stops when the next tree would not fit in its target cache.
+    out = out.stop_where(cache.end + tree_cfg.total_tokens + width > cache.max_len)
     keep = active[:, None]
-    state = dataclasses.replace(
+    return dataclasses.replace(
         state, cache=cache, draft_k=draft_k, draft_v=draft_v,
         root=jnp.where(active, acc.bonus, state.root),
         root_logp=jnp.where(keep, root_logp, state.root_logp),
         root_h=jnp.where(keep, root_h, state.root_h),
         rounds=state.rounds + active.astype(jnp.int32),
-        accept_hist=state.accept_hist.at[rows[:, 0], count].add(active.astype(jnp.int32)),
-        step=step)
-    out = append_tokens(state.out, new_tokens, count, active, eos_token_ids)
-    # A row stops when the next tree would not fit in its target cache.
-    out = out.stop_where(cache.end + tree_cfg.total_tokens + width > cache.max_len)
-    return dataclasses.replace(state, out=out)
+        accept_hist=state.accept_hist.at[rows[:, 0], emitted].add(active.astype(jnp.int32)),
+        step=step, out=out)
 
 
 @dataclasses.dataclass(frozen=True)
