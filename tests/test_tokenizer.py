@@ -91,3 +91,53 @@ def test_works_without_torch(smollm2_gguf_path, smollm2_tokenizer, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     want = smollm2_tokenizer.apply_chat_template(MESSAGES)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [want, want]
+
+
+CONVERSATIONS = [
+    MESSAGES,
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "one"}, {"role": "assistant", "content": "1 <|im_end|> x"},
+     {"role": "user", "content": "two\n\n  tabs\tand ünïcödé ∑ 🙂"}],
+    [{"role": "user", "content": ""}],
+]
+TEXTS = ["", "Hello <|im_end|> world\n\n  x", "def f(x):\n    return x  # ∑ 🙂", " lead", "a" * 300]
+
+
+def test_light_tokenizer_equals_transformers(smollm2_tokenizer):
+    """The transformers-free path (encode, decode, chat template, special ids) gives what
+    transformers' own tokenizer of the same folder gives."""
+    tok = smollm2_tokenizer
+    assert tok._light is not None  # the cached GGUF tokenizer folder is read without transformers
+    hf = tok.hf
+    for messages in CONVERSATIONS:
+        for prompt in (True, False):
+            want = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=prompt,
+                                          return_dict=False)
+            assert tok.apply_chat_template(messages, add_generation_prompt=prompt) == list(want)
+            assert tok.render_chat(messages, prompt) == hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=prompt)
+    for text in TEXTS:
+        for special in (True, False):
+            ids = hf.encode(text, add_special_tokens=special)
+            assert tok.encode(text, add_special_tokens=special) == list(ids)
+    ids = tok.apply_chat_template(CONVERSATIONS[2]) + [0, 2, 5, 1000, 49151]
+    for skip in (True, False):
+        assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(
+            ids, skip_special_tokens=skip)
+    assert tok._light.eos_token_id == hf.eos_token_id
+    assert tok._light.pad_token_id == hf.pad_token_id
+    assert len(tok._light) == len(hf) and tok._light.get_vocab() == hf.get_vocab()
+
+
+def test_decoding_start_does_not_import_transformers(smollm2_gguf_path, smollm2_tokenizer):
+    """A cached tokenizer encodes, renders and decodes without importing transformers."""
+    code = (
+        "import sys\n"
+        "from eagle3_jax.text import ChatTokenizer\n"
+        f"tok = ChatTokenizer.from_gguf({str(smollm2_gguf_path)!r})\n"
+        f"ids = tok.apply_chat_template({MESSAGES!r})\n"
+        "print(tok.decode(ids), tok.eos_token_ids, 'transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("(0, 2) False")

@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 from jax.sharding import Mesh
 
+from eagle3_jax.checkpoints import weights_cache as cached_weights
 from eagle3_jax.checkpoints.default_model import default_model_path
 from eagle3_jax.checkpoints.gguf_loader import load_gguf
 from eagle3_jax.checkpoints.safetensors_loader import CheckpointError, load_safetensors
@@ -37,12 +38,38 @@ class LoadedTarget:
     weights: Path | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """A resolved target: an HF folder or a GGUF file, and the preset that named it (if any)."""
+
+    kind: str  # "hf" or "gguf"
+    path: Path
+    preset: Preset | None = None
+
+    @property
+    def description(self) -> str:
+        return f"{self.preset.name} ({self.path})" if self.preset else str(self.path)
+
+    def tokenizer(self) -> ChatTokenizer:
+        if self.kind == "hf":
+            return ChatTokenizer.from_hf_folder(self.path)
+        return ChatTokenizer.from_gguf(self.path)
+
+    def read(self, mesh: Mesh, mode: str, dtype: str | None) -> tuple[TargetConfig, Params]:
+        loader = load_safetensors if self.kind == "hf" else load_gguf
+        cfg, params = loader(self.path, mesh, mode=mode, dtype=dtype)
+        if self.preset is not None:
+            _check_matches(self.preset, cfg)
+        return cfg, params
+
+
 def load_target(
     target: str | Path | None = None,
     *,
     mesh: Mesh | None = None,
     mode: str = "serving",
     dtype: str | None = None,
+    weights_cache: bool = True,
 ) -> LoadedTarget:
     """Load a target model and its tokenizer onto ``mesh``.
 
@@ -54,35 +81,49 @@ def load_target(
         (``eagle3_jax.model.to_serving``: per-layer, fused, the fast form for decoding);
         training params keep the stacked layout for ``lax.scan``.
       dtype: parameter dtype; None -> the preset's, else the checkpoint's (float32 for GGUF).
+      weights_cache: serving params are read from / written to the serving-weights cache
+        (:mod:`eagle3_jax.checkpoints.weights_cache`; ``EAGLE3_JAX_WEIGHTS_CACHE=0`` turns it
+        off everywhere).
     Raises:
       CheckpointError (or PresetError) naming the path or preset and what is accepted.
     """
     if mesh is None:
         mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
-    loaded = _load(target, mesh, mode, dtype)
+    source = _resolve(target)
+    if dtype is None and source.preset is not None:
+        dtype = source.preset.target.dtype
+    tokenizer = source.tokenizer()
+    use_cache = mode == "serving" and weights_cache and cached_weights.enabled()
+    if use_cache:
+        cache_file = cached_weights.cache_path(source.path, dtype)
+        hit = cached_weights.load(
+            cache_file, lambda cfg: param_shardings(serving_specs(cfg), mesh, "serving"))
+        if hit is not None:
+            cfg, params = hit
+            if source.preset is not None:
+                _check_matches(source.preset, cfg)
+            return LoadedTarget(cfg, params, tokenizer, source.description, mesh, source.path)
+    cfg, params = source.read(mesh, mode, dtype)
     if mode == "serving":
-        shardings = param_shardings(serving_specs(loaded.cfg), mesh, "serving")
-        params = to_serving(loaded.params, loaded.cfg, shardings=shardings, delete_stacked=True)
-        loaded = dataclasses.replace(loaded, params=params)
-    return loaded
+        shardings = param_shardings(serving_specs(cfg), mesh, "serving")
+        params = to_serving(params, cfg, shardings=shardings, delete_stacked=True)
+        if use_cache:
+            cached_weights.save(cache_file, params, cfg)
+    return LoadedTarget(cfg, params, tokenizer, source.description, mesh, source.path)
 
 
-def _load(target, mesh: Mesh, mode: str, dtype: str | None) -> LoadedTarget:
+def _resolve(target) -> _Source:
     if target is None:
         target = DEFAULT_PRESET
     path = Path(target)
-
     if path.is_dir():
-        cfg, params = load_safetensors(path, mesh, mode=mode, dtype=dtype)
-        return LoadedTarget(cfg, params, ChatTokenizer.from_hf_folder(path), str(path), mesh,
-                            path)
+        return _Source("hf", path)
     if path.is_file() and _is_gguf(path):
-        cfg, params = load_gguf(path, mesh, mode=mode, dtype=dtype)
-        return LoadedTarget(cfg, params, ChatTokenizer.from_gguf(path), str(path), mesh, path)
+        return _Source("gguf", path)
     if path.is_file() and path.suffix in (".yaml", ".yml"):
-        return _load_preset(load_preset(path), mesh, mode, dtype)
+        return _preset_source(load_preset(path))
     if not path.exists() and str(target) in list_presets():
-        return _load_preset(load_preset(str(target)), mesh, mode, dtype)
+        return _preset_source(load_preset(str(target)))
     accepted = _ACCEPTED.format(presets=", ".join(list_presets()))
     if path.exists():
         raise CheckpointError(f"cannot load target {str(target)!r}: it is neither a folder nor a "
@@ -91,18 +132,14 @@ def _load(target, mesh: Mesh, mode: str, dtype: str | None) -> LoadedTarget:
                           f"accepted: {accepted}")
 
 
-def _load_preset(preset: Preset, mesh: Mesh, mode: str, dtype: str | None) -> LoadedTarget:
+def _preset_source(preset: Preset) -> _Source:
     if preset.weights is None:
         raise PresetError(
             f"preset {preset.name!r} names an architecture but ships no weights; download the HF "
             "checkpoint and pass --target /path/to/hf/folder"
         )
     # The only builtin weights today (presets.BUILTIN_WEIGHTS) are SmolLM2's GGUF.
-    path = default_model_path()
-    cfg, params = load_gguf(path, mesh, mode=mode, dtype=dtype or preset.target.dtype)
-    _check_matches(preset, cfg)
-    return LoadedTarget(cfg, params, ChatTokenizer.from_gguf(path), f"{preset.name} ({path})",
-                        mesh, path)
+    return _Source("gguf", default_model_path(), preset)
 
 
 def _check_matches(preset: Preset, cfg: TargetConfig) -> None:

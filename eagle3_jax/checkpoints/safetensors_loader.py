@@ -19,18 +19,16 @@ bfloat16 / float8 dtype, so a bf16 tensor is a zero-copy view of the mapped file
 from __future__ import annotations
 
 import json
-import math
-import struct
 from pathlib import Path
 from typing import Callable, Iterable
 
 import jax
-import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
 
-from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.checkpoints.hf_names import UnknownTensorError, hf_to_param, param_to_hf
+from eagle3_jax.checkpoints.safetensors_io import SafetensorsError, SafetensorsFile
+from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.model.config import ConfigError, TargetConfig
 from eagle3_jax.model.params import Params, is_spec, param_specs
 from eagle3_jax.sharding import param_shardings, shard_array
@@ -38,12 +36,6 @@ from eagle3_jax.sharding import param_shardings, shard_array
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_,
-}
 
 
 class CheckpointError(Eagle3Error, ValueError):
@@ -175,65 +167,6 @@ def assemble_params(
     return jax.tree.unflatten(treedef, out)
 
 
-# ---------------------------------------------------------------------------------------------
-# safetensors files.
-
-
-class _SafetensorsFile:
-    """One memory-mapped ``.safetensors`` file: header parsed and checked, tensors as views."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        size = path.stat().st_size
-        try:
-            with open(path, "rb") as f:
-                prefix = f.read(8)
-                if len(prefix) < 8:
-                    raise ValueError("file is shorter than the 8-byte header length")
-                (header_len,) = struct.unpack("<Q", prefix)
-                if header_len > size - 8:
-                    raise ValueError(f"header length {header_len} exceeds the file size {size}")
-                header = json.loads(f.read(header_len))
-            if not isinstance(header, dict):
-                raise ValueError("header is not a JSON object")
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path} is not a valid safetensors file ({e}); "
-                                  "re-download or re-save it") from None
-        header.pop("__metadata__", None)
-        self.data_start = 8 + header_len
-        data_size = size - self.data_start
-        self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
-        for name, info in header.items():
-            try:
-                dtype = np.dtype(_DTYPES[info["dtype"]])
-                shape = tuple(int(s) for s in info["shape"])
-                begin, end = (int(x) for x in info["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(
-                    f"{path}: tensor {name!r} has a malformed header entry {info!r}"
-                ) from None
-            if end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
-                raise CheckpointError(
-                    f"{path}: tensor {name!r} byte range [{begin}, {end}) does not fit its "
-                    f"shape {shape} of {info['dtype']}"
-                )
-            if end > data_size:
-                raise CheckpointError(
-                    f"{path} is truncated: tensor {name!r} ends at byte {end} of the data "
-                    f"section but the file holds only {data_size}; re-download or re-save it"
-                )
-            self.entries[name] = (dtype, shape, begin, end)
-        self._map: np.memmap | None = None
-
-    def tensor(self, name: str) -> np.ndarray:
-        """A read-only zero-copy view of one tensor."""
-        if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        dtype, shape, begin, end = self.entries[name]
-        raw = self._map[self.data_start + begin:self.data_start + end]
-        return raw.view(dtype).reshape(shape)
-
-
 def checkpoint_files(folder: Path) -> list[Path]:
     """The safetensors files of an HF folder (index, single file, or all ``*.safetensors``)."""
     index = folder / INDEX_FILE
@@ -311,8 +244,11 @@ def load_safetensors(
         cfg = read_hf_config(folder, dtype)
     elif dtype is not None:
         cfg = cfg.replace(dtype=dtype)
-    files = [_SafetensorsFile(p) for p in checkpoint_files(folder)]
-    where: dict[str, _SafetensorsFile] = {}
+    try:
+        files = [SafetensorsFile(p) for p in checkpoint_files(folder)]
+    except SafetensorsError as e:
+        raise CheckpointError(str(e)) from None
+    where: dict[str, SafetensorsFile] = {}
     for f in files:
         for name in f.entries:
             if name in where:

@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_BATCH_SIZE}); streamed text is one prompt at a time")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per line per turn instead of streamed text")
+    p.add_argument("--no-cache", action="store_true",
+                   help="neither read nor write the serving-weights and compilation caches "
+                        "under $EAGLE3_JAX_HOME")
     p.add_argument("--debug", action="store_true", help="show tracebacks of user errors too")
     return p
 
@@ -236,7 +239,8 @@ def _load_target(args, load_fn):
                 raise UsageError(f"--mesh {args.mesh} needs {needed} devices but "
                                  f"{len(devices)} are present")
             mesh = make_mesh(mesh_cfg, devices[:needed])
-        target = load_target(args.target, mesh=mesh, dtype=args.dtype)
+        target = load_target(args.target, mesh=mesh, dtype=args.dtype,
+                             weights_cache=not args.no_cache)
     log(f"[loaded {target.source} ({target.cfg.arch}, {target.cfg.num_params / 1e6:.0f}M "
         f"params) in {time.perf_counter() - start:.1f} s]")
     return target
@@ -247,6 +251,10 @@ def _run(args: argparse.Namespace, load_fn: Callable | None) -> None:
     from eagle3_jax.decoding.decoders import CompileCache, EagleDecoder, PlainDecoder
 
     mode = _check_flags(args)
+    if not args.no_cache:
+        from eagle3_jax.compile_cache import enable_compile_cache
+
+        enable_compile_cache()
     eagle = mode == "eagle" or args.compare
     total_tokens = parse_total_tokens(args.total_tokens)
     accept_rates = parse_accept_rates(args.accept_rates)

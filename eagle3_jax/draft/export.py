@@ -28,7 +28,6 @@ so that bfloat16 round-trips through ``ml_dtypes`` without torch.
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -36,9 +35,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.checkpoints import safetensors_io
 from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.draft.params import DraftHead, VocabMap, draft_param_specs
+from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.model.config import ConfigError, TargetConfig
 from eagle3_jax.model.params import Params
 
@@ -46,14 +46,6 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TORCH_WEIGHTS_FILE = "pytorch_model.bin"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-
-_ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_,
-}
-_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
-
 
 class DraftExportError(Eagle3Error, ValueError):
     """A head folder that cannot be written or read; the message names the file and the fix."""
@@ -103,49 +95,18 @@ def released_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
 
 
 def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray], metadata=None) -> None:
-    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
-    offset, blobs = 0, []
-    for name in sorted(tensors):
-        arr = np.ascontiguousarray(tensors[name])
-        if arr.dtype not in _ST_NAMES:
-            raise DraftExportError(f"cannot write tensor {name!r} of dtype {arr.dtype}")
-        raw = arr.tobytes()
-        header[name] = {"dtype": _ST_NAMES[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + len(raw)]}
-        offset += len(raw)
-        blobs.append(raw)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the format pads the header to 8 bytes
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for raw in blobs:
-            f.write(raw)
-    tmp.replace(path)
+    try:
+        safetensors_io.write_safetensors(path, tensors, metadata)
+    except safetensors_io.SafetensorsError as e:
+        raise DraftExportError(str(e)) from None
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     try:
-        data = path.read_bytes()
-        (n,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8:8 + n])
-    except (OSError, struct.error, ValueError) as e:
+        return safetensors_io.SafetensorsFile(path).read_all()
+    except (OSError, safetensors_io.SafetensorsError) as e:
         raise DraftExportError(f"{path} is not a readable safetensors file ({e}); re-export the "
                                "head or re-download it") from None
-    out, base = {}, 8 + n
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _ST_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise DraftExportError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        if base + end > len(data):
-            raise DraftExportError(f"{path} is truncated (tensor {name!r} runs past the end); "
-                                   "re-export the head or re-download it")
-        out[name] = np.frombuffer(data[base + start:base + end], dtype).reshape(info["shape"])
-    return out
 
 
 def _read_torch_bin(path: Path) -> dict[str, np.ndarray]:

@@ -4,6 +4,11 @@
 from GGUF metadata. That conversion takes ~4 s for SmolLM2 (49k tokens + merges), so the result
 is saved with ``save_pretrained`` under ``$EAGLE3_JAX_HOME/tokenizers/`` and later starts reload
 it in ~0.25 s. ``from_hf_folder`` reads an HF checkpoint folder with ``local_files_only``.
+
+Encoding, decoding and the chat template run on :class:`eagle3_jax.text.light.LightTokenizer`
+when the saved folder allows it, so a start that only decodes never imports transformers
+(seconds); :attr:`ChatTokenizer.hf`, the transformers tokenizer itself, is built on first use
+(the data pipeline needs it).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.text.light import LightTokenizer
 
 
 # Everything is local; never let transformers try the Hugging Face hub.
@@ -36,32 +42,50 @@ class ChatTokenizer:
     """Chat-template rendering, encoding and decoding with token-id lists in and out.
 
     Attributes:
-      hf: the wrapped transformers tokenizer.
+      hf: the transformers tokenizer (built from ``folder`` on first use when not given).
       source: where it came from (for messages).
     """
 
-    def __init__(self, hf_tokenizer: Any, source: str = "", extra_eos_ids: Sequence[int] = ()):
-        self.hf = hf_tokenizer
+    def __init__(self, hf_tokenizer: Any = None, source: str = "",
+                 extra_eos_ids: Sequence[int] = (), *, folder: str | Path | None = None):
+        if hf_tokenizer is None and folder is None:
+            raise TypeError("ChatTokenizer needs a transformers tokenizer or a saved folder")
+        self._hf, self._folder = hf_tokenizer, folder
+        self._light = LightTokenizer.from_folder(folder) if hf_tokenizer is None else None
         self.source = source
         self._extra_eos_ids = tuple(int(i) for i in extra_eos_ids)
+
+    @property
+    def hf(self) -> Any:
+        if self._hf is None:
+            from transformers import AutoTokenizer
+
+            self._hf = AutoTokenizer.from_pretrained(self._folder, local_files_only=True)
+        return self._hf
+
+    @property
+    def _backend(self) -> Any:
+        """What encodes, decodes and renders: the light tokenizer when it can, else ``hf``."""
+        return self._light if self._light is not None else self.hf
 
     # -- construction ----------------------------------------------------------------------
 
     @classmethod
     def from_gguf(cls, path: str | Path, *, cache: bool = True) -> "ChatTokenizer":
         """Tokenizer and chat template from a GGUF file's metadata (cached after the first call)."""
-        from transformers import AutoTokenizer
-
         path = Path(path).resolve()
         if not path.is_file():
             raise TokenizerError(f"GGUF file {path} does not exist")
         cached = _gguf_cache_dir(path) if cache else None
         if cached is not None and (cached / "tokenizer_config.json").is_file():
+            tok = cls(source=str(path), folder=cached)
             try:
-                return cls(AutoTokenizer.from_pretrained(cached, local_files_only=True),
-                           str(path))
+                tok.eos_token_ids  # noqa: B018 - reads the folder (light or transformers)
+                return tok
             except Exception:  # a damaged cache entry: rebuild it below
                 shutil.rmtree(cached, ignore_errors=True)
+        from transformers import AutoTokenizer
+
         try:
             tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name,
                                                 local_files_only=True)
@@ -102,7 +126,7 @@ class ChatTokenizer:
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
     ) -> list[int]:
         """Token ids of ``messages`` ([{"role", "content"}, ...]) rendered by the chat template."""
-        ids = self.hf.apply_chat_template(list(messages), tokenize=True,
+        ids = self._backend.apply_chat_template(list(messages), tokenize=True,
                                           add_generation_prompt=add_generation_prompt,
                                           return_dict=False)
         if isinstance(ids, Mapping):  # some transformers versions ignore return_dict=False
@@ -113,23 +137,23 @@ class ChatTokenizer:
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
     ) -> str:
         """The chat template's text for ``messages`` (what :meth:`apply_chat_template` encodes)."""
-        return self.hf.apply_chat_template(list(messages), tokenize=False,
+        return self._backend.apply_chat_template(list(messages), tokenize=False,
                                            add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (with the tokenizer's BOS if it adds one, like HF's default)."""
-        return [int(i) for i in self.hf.encode(text, add_special_tokens=add_special_tokens)]
+        return [int(i) for i in self._backend.encode(text, add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     # -- special ids -----------------------------------------------------------------------
 
     @cached_property
     def eos_token_ids(self) -> tuple[int, ...]:
         """EOS plus every end-of-turn token in the vocabulary, sorted, without duplicates."""
-        vocab = self.hf.get_vocab()
-        ids = {int(self.hf.eos_token_id)} if self.hf.eos_token_id is not None else set()
+        vocab = self._backend.get_vocab()
+        ids = {int(self._backend.eos_token_id)} if self._backend.eos_token_id is not None else set()
         ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
         ids.update(self._extra_eos_ids)
         return tuple(sorted(ids))
@@ -137,12 +161,12 @@ class ChatTokenizer:
     @property
     def pad_token_id(self) -> int:
         """The tokenizer's pad id, else the first EOS id (padding is always masked anyway)."""
-        pad = self.hf.pad_token_id
+        pad = self._backend.pad_token_id
         return int(pad) if pad is not None else self.eos_token_ids[0]
 
     @property
     def vocab_size(self) -> int:
-        return len(self.hf)
+        return len(self._backend)
 
     def __repr__(self) -> str:
         return f"ChatTokenizer({self.source!r}, vocab={self.vocab_size})"
