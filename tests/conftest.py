@@ -12,6 +12,11 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The start-up caches under $EAGLE3_JAX_HOME stay off in the test process (every test reads its
+# source fresh, and no test run leaves entries in the user's home); tests/test_startup.py turns
+# them on in temporary homes.
+os.environ.setdefault("EAGLE3_JAX_WEIGHTS_CACHE", "0")
+os.environ.setdefault("EAGLE3_JAX_COMPILE_CACHE", "0")
 
 import pytest  # noqa: E402
 

@@ -180,7 +180,8 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
         raise UsageError("--num-prompts must be in 1..80, --max-new-tokens and --repeats >= 1")
     total_tokens = parse_total_tokens(args.total_tokens)
     rates = parse_accept_rates(args.accept_rates)
-    tree = None if total_tokens == "auto" else resolve_tree(total_tokens, args.tree_top_k, args.depth)
+    tree = (None if total_tokens == "auto"
+            else resolve_tree(total_tokens, args.tree_top_k, args.depth))
     check_head_path(args.draft)
     questions = {t: load_questions(t, args.num_prompts) for t in tasks}
 

@@ -5,7 +5,8 @@ The model (batch 1, greedy)::
     tokens/s(tree) = E[tau](tree) / (t_target(total_tokens) + t_draft(depth, top_k))
 
 * ``t_target(T)``: measured seconds of one target forward over T new tokens after ``context``
-  cached tokens (:func:`eagle3_jax.decoding.costs.forward_curve`), T in 1, 2, 4, ..., 64; linear in between.
+  cached tokens (:func:`eagle3_jax.decoding.costs.forward_curve`), T in 1, 2, 4, ..., 64;
+  linear in between.
   T = 1 is plain decoding's step, so plain tokens/s = 1 / t_target(1).
 * ``t_draft(depth, k) = (depth - 1) * t_step(k) + t_step(depth + 1)``: the tree grows depth - 1
   levels of k frontier tokens, then the draft catches up on the accepted path (depth + 1
