@@ -108,8 +108,11 @@ def test_sampling_is_seeded(tiny, capsys):
     ('{"prompt": "ok"}\n{"prompt": oops}\n', (), "line 2 is not valid JSON"),
     ('{"prompt": "ok"}\n{"turns": []}\n', (), "line 2 must be"),
     ('{"prompt": "' + "long " * 40 + '"}\n', (), "tokens but the model context is 128"),
-    ('{"prompt": "ok"}\n', ("--temperature", "-1"), "temperature must be"),
-    ('{"prompt": "ok"}\n', ("--top-p", "1.5"), "top_p must be"),
+    ('{"prompt": "ok"}\n', ("--temperature", "-1"), "--temperature must be"),
+    ('{"prompt": "ok"}\n', ("--top-p", "1.5"), "--top-p must be"),
+    ('{"prompt": "ok"}\n', ("--top-k", "-2"), "--top-k must be"),
+    ('{"prompt": "ok"}\n', ("--mesh", "tensor=x"), "--mesh takes AXIS=N"),
+    ('{"turns": ["a", "b"]}\n', ("--raw",), "--raw takes single-turn prompts"),
     ('{"prompt": "ok"}\n', ("--max-new-tokens", "0"), "--max-new-tokens must be"),
 ])
 def test_errors_are_one_clear_line(tiny, capsys, tmp_path, content, extra, message):
@@ -121,6 +124,66 @@ def test_errors_are_one_clear_line(tiny, capsys, tmp_path, content, extra, messa
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], err
     assert "Traceback" not in err
+
+
+def test_system_prompt_raw_text_and_stop_strings(tiny, capsys):
+    base = ("--prompt", "hi", "--json", "--max-new-tokens", "24")
+    code, out, _ = run(tiny, capsys, *base, "--system", "be brief")
+    assert code == 0
+    record = json.loads(out)
+    assert record["prompt_token_ids"] == tiny.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    code, out, _ = run(tiny, capsys, *base, "--raw")
+    assert json.loads(out)["prompt_token_ids"] == tiny.tokenizer.encode("hi")
+    # A stop string taken from the plain answer: the answer ends just before it.
+    code, out, _ = run(tiny, capsys, *base)
+    full = json.loads(out)
+    text = full["text"]
+    stop = next(text[i:i + 2] for i in range(3, len(text) - 2)
+                if "\ufffd" not in text[i:i + 2] and text.find(text[i:i + 2]) == i)
+    code, out, _ = run(tiny, capsys, *base, "--stop", stop)
+    cut = json.loads(out)
+    assert cut["stop"] == "stop" and cut["text"] == full["text"][:full["text"].find(stop)]
+    assert cut["token_ids"] == full["token_ids"][:len(cut["token_ids"])]
+    # Streamed, the same stop string prints the same text.
+    code, streamed, _ = run(tiny, capsys, "--prompt", "hi", "--max-new-tokens", "24",
+                            "--stop", stop)
+    assert code == 0 and streamed == cut["text"] + "\n"
+
+
+def test_chat_keeps_history_until_end_of_input(tiny, capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("first\n\nsecond\n"))
+    code, out, err = run(tiny, capsys, "--chat", "--max-new-tokens", "6")
+    assert code == 0, err
+    answers = out.splitlines()
+    assert len(answers) == 2 and err.count("tokens in") == 2
+    # The second turn is asked with the first turn and its answer as history.
+    code, json_out, _ = run(tiny, capsys, "--json", "--max-new-tokens", "6", "--prompt", "first")
+    assert answers[0] == json.loads(json_out)["text"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--batch-size", "4"), "--batch-size applies to --json and --compare"),
+    (("--chat", "--json"), "--chat streams its answers"),
+    (("--mode", "eagle", "--draft", "/nonexistent/head"), "draft head '/nonexistent/head' does not exist"),
+    (("--depth", "3"), "--depth only apply to --mode eagle"),
+    (("--draft", "/x", "--force-eagle"), "--force-eagle only applies to --total-tokens auto"),
+])
+def test_bad_flags_fail_before_the_model_loads(capsys, argv, message):
+    def must_not_load(target):
+        raise AssertionError("the target was loaded")
+
+    code = main(list(argv), load_fn=must_not_load)
+    err = capsys.readouterr().err
+    assert code == 2 and f"error: {message}" in err and "Traceback" not in err, err
+
+
+def test_debug_shows_the_traceback(capsys):
+    code = main(["--max-new-tokens", "0", "--debug"], load_fn=None)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" in err and "error: --max-new-tokens" in err
 
 
 @pytest.mark.slow
