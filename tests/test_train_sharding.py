@@ -22,8 +22,9 @@ from eagle3_jax.data import make_train_iterator
 from eagle3_jax.draft import DraftConfig, VocabMap
 from eagle3_jax.model.params import param_specs
 from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
+from eagle3_jax.train.inputs import TargetInputs
 from eagle3_jax.train.loop import BATCH_AXES, _create_state, abstract_train_state
-from eagle3_jax.train.step import TargetInputs, train_step
+from eagle3_jax.train.step import train_step
 from test_train import synthetic_records, tiny_target
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (emulated) devices")

@@ -58,8 +58,8 @@ from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
 from eagle3_jax.train.checkpointing import TrainCheckpointError, TrainCheckpointer, abstract_state
 from eagle3_jax.train.config import TrainConfig
 from eagle3_jax.train.metrics import MetricsWriter, plot_accuracy, read_metrics
-from eagle3_jax.train.step import (TargetInputs, TrainState, eval_step,
-                                   simulated_accept_length, train_step)
+from eagle3_jax.train.inputs import FeatureInputs, TargetInputs, offline_frozen
+from eagle3_jax.train.step import TrainState, eval_step, simulated_accept_length, train_step
 
 log = logging.getLogger(__name__)
 
@@ -315,8 +315,6 @@ def train(
     draft_cfg = DraftConfig.for_target(tcfg, draft_vocab_size=int(vocab.d2t.shape[0]),
                                        ttt_steps=cfg.ttt_steps, dtype=cfg.dtype)
     if offline:
-        from eagle3_jax.train.offline import FeatureInputs, offline_frozen
-
         assert draft_cfg.tap_layers == tuple(tcfg.eagle3_tap_layers)
         # Only the embedding table and output head; dropping the rest frees the target.
         frozen = offline_frozen(target_params, tcfg)
