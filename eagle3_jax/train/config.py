@@ -20,13 +20,43 @@ import typing
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import optax
 import yaml
 
 from eagle3_jax.model.config import ConfigError
 from eagle3_jax.sharding import MeshConfig, MeshError
-from eagle3_jax.train.step import OptimizerConfig
 
 _DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warm-up and cosine decay; clip by global norm (reference §4)."""
+
+    learning_rate: float = 1e-4
+    warmup_steps: int = 100
+    total_steps: int = 10000
+    b1: float = 0.9
+    b2: float = 0.95
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    min_lr_ratio: float = 0.0
+
+    def schedule(self) -> optax.Schedule:
+        """Learning rate by step: linear warm-up to the peak, cosine decay to the end."""
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=self.learning_rate,
+            warmup_steps=max(self.warmup_steps, 1),
+            decay_steps=max(self.total_steps, self.warmup_steps + 1),
+            end_value=self.learning_rate * self.min_lr_ratio,
+        )
+
+    def build(self) -> optax.GradientTransformation:
+        return optax.chain(
+            optax.clip_by_global_norm(self.grad_clip),
+            optax.adamw(self.schedule(), b1=self.b1, b2=self.b2,
+                        weight_decay=self.weight_decay),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
