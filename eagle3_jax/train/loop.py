@@ -8,8 +8,10 @@
     repeat: host batch [A*B_local, T, ...] -> [A, B, T, ...] global array -> jitted train_step
             log every log_every, evaluate every eval_every, checkpoint every save_every
 
-``train`` reads as that outline: ``_setup`` builds a :class:`TrainSetup` (the lines above the
-loop) and the starting state, ``_run_steps`` is the loop, ``evaluate`` the held-out pass.
+``train`` reads as that outline: ``check_inputs`` checks that every path the config names exists
+(a typo fails in milliseconds, not after the data has loaded), ``_setup`` builds a
+:class:`TrainSetup` (the lines above the loop) and the starting state, ``_run_steps`` is the
+loop, ``evaluate`` the held-out pass.
 
 Two modes, one step function (``train/step.py``), one data pipeline (``data/pipeline.py``):
 
@@ -60,7 +62,7 @@ from eagle3_jax.model.config import ConfigError, TargetConfig
 from eagle3_jax.model.params import Params, init_params, param_specs
 from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
 from eagle3_jax.train.checkpointing import TrainCheckpointError, TrainCheckpointer, abstract_state
-from eagle3_jax.train.config import TrainConfig
+from eagle3_jax.train.config import TrainConfig, check_paths
 from eagle3_jax.train.metrics import MetricsWriter, plot_accuracy, read_metrics
 from eagle3_jax.train.inputs import FeatureInputs, TargetInputs, offline_frozen
 from eagle3_jax.train.step import TrainState, eval_step, simulated_accept_length, train_step
@@ -261,6 +263,25 @@ def _run_metadata(cfg: TrainConfig, tcfg: TargetConfig, draft_cfg: DraftConfig,
 
 # ---------------------------------------------------------------------------------------------
 # Set-up: everything the step loop reads, built once.
+
+
+def check_inputs(cfg: TrainConfig, *, target_override: TargetOverride | None = None,
+                 train_records: Sequence | None = None,
+                 eval_records: Sequence | None = None) -> None:
+    """ConfigError naming the config key unless every path this run will read exists
+    (:func:`~eagle3_jax.train.config.check_paths`). Touches no device and takes milliseconds,
+    so a typo fails before the data, the target or a multi-host start-up. Arguments as
+    :func:`train`'s: what is given in memory is not read from a path."""
+    skip = set()
+    if target_override is not None:
+        skip.add("target")
+    if train_records is not None:
+        skip.add("train_data")
+    if eval_records is not None:
+        skip.add("eval_data")
+    if (Path(cfg.out_dir) / VOCAB_FILE).is_file():
+        skip.add("draft_vocab")  # a resumed run reuses its own copy (resolve_vocab)
+    check_paths(cfg, skip=skip)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -539,10 +560,15 @@ def train(
       target_override: an in-memory target instead of ``cfg.target``.
       train_records / eval_records: random-access sequences of {input_ids, loss_mask} instead of
         ``cfg.train_data`` / ``cfg.eval_data`` (online mode only).
+    Raises:
+      ConfigError: a bad config or a path in it that does not exist (before anything loads);
+        DataError, CheckpointError, TrainCheckpointError: unreadable inputs or checkpoints.
     Returns:
       summary dict: start_step, end_step, losses (one per step run here), last train metrics,
       last eval metrics (with accept_length), out_dir, checkpoint steps, elapsed seconds.
     """
+    check_inputs(cfg, target_override=target_override, train_records=train_records,
+                 eval_records=eval_records)
     run, state = _setup(cfg, target_override, train_records, eval_records)
     start = int(jax.device_get(state.step))
     end = min(cfg.total_steps, max_steps) if max_steps is not None else cfg.total_steps
