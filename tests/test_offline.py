@@ -20,9 +20,9 @@ from eagle3_jax.draft.params import VocabMap, init_draft_params
 from eagle3_jax.draft.ttt import ttt_forward
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import init_params
-from eagle3_jax.model.target import forward
-from eagle3_jax.train.offline import FeatureError, features_ttt_batch, target_head_rows
-from eagle3_jax.train.step import labels_from_hidden, packed_causal_mask, target_ttt_batch
+from eagle3_jax.model.target import forward, packed_causal_mask
+from eagle3_jax.train.inputs import (FeatureError, features_ttt_batch, labels_from_hidden,
+                                     target_head_rows, target_ttt_batch)
 
 V, D, MAX_LEN, BATCH = 96, 32, 32, 4
 

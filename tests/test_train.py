@@ -19,10 +19,10 @@ from eagle3_jax.data.features import extract_features
 from eagle3_jax.model.config import ConfigError, TargetConfig
 from eagle3_jax.model.params import init_params
 from eagle3_jax.train.checkpointing import TrainCheckpointError, TrainCheckpointer, abstract_state
-from eagle3_jax.train.config import TrainConfig, load_train_config
+from eagle3_jax.train.config import OptimizerConfig, TrainConfig, load_train_config
 from eagle3_jax.train.loop import TargetOverride, train
 from eagle3_jax.train.metrics import read_metrics
-from eagle3_jax.train.step import OptimizerConfig, TrainState
+from eagle3_jax.train.step import TrainState
 
 V = 96
 STEPS = 30

@@ -37,8 +37,9 @@ def main(argv=None) -> int:
 
     from eagle3_jax.checkpoints import load_target
     from eagle3_jax.draft import DraftConfig, VocabMap, init_draft_params
-    from eagle3_jax.train.step import (OptimizerConfig, TargetInputs, TrainState,
-                                       target_ttt_batch, train_step)
+    from eagle3_jax.train.inputs import TargetInputs, target_ttt_batch
+    from eagle3_jax.train.config import OptimizerConfig
+    from eagle3_jax.train.step import TrainState, train_step
 
     loaded = load_target(args.target)
     tcfg, params = loaded.cfg, loaded.params

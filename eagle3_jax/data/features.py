@@ -6,7 +6,7 @@ Per record (truncated to ``max_len`` tokens) the folder holds
     taps      [T, 3D]  the hidden states entering the EAGLE-3 tap layers (low, mid, high),
     hidden    [T, D]   the target's final *normed* hidden state.
 Not the logits: ``[T, V]`` would be V/D times larger (85x for SmolLM2, 31x for Llama 3). The
-soft labels are recomputed at train time as ``hidden @ head.T`` (``train/offline.py``).
+soft labels are recomputed at train time as ``hidden @ head.T`` (``train/inputs.py``).
 
 Precision on disk (``dtype``): ``bfloat16`` (default; 8-bit mantissa, relative error <= 2^-9,
 float32's exponent range so the target's large outlier activations never overflow),
@@ -91,8 +91,7 @@ def _target_fn():
     """The jitted ``(params, tokens, segment_ids, positions) -> (taps, hidden)`` forward."""
     import jax
 
-    from eagle3_jax.model.target import forward
-    from eagle3_jax.train.step import packed_causal_mask
+    from eagle3_jax.model.target import forward, packed_causal_mask
 
     @functools.partial(jax.jit, static_argnames=("cfg", "tap_layers", "dtype"))
     def run(params, tokens, segment_ids, positions, *, cfg, tap_layers, dtype):

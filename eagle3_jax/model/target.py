@@ -66,6 +66,18 @@ def causal_mask(cache_end: jax.Array, num_new: int, max_len: int) -> jax.Array:
     return slots <= query_slots
 
 
+def packed_causal_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] segment ids (0 = padding) -> [B, T, T] causal mask within each document.
+
+    The mask of a cache-less forward over packed rows (training, offline features): token t
+    sees s <= t of its own document; padding sees nothing.
+    """
+    t = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))[None]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return causal & same & (segment_ids[:, :, None] > 0)
+
+
 def split_cache_mask(mask: jax.Array, cache_end: jax.Array, num_new: int):
     """Split a mask over cache slots [B, T, S] into (past [B, T, S], new [B, T, T]).
 

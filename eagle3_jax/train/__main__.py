@@ -2,6 +2,8 @@
 
 Trains (or resumes, when ``out_dir`` already holds checkpoints) an EAGLE-3 draft head.
 Overrides use dotted keys for nested sections: ``optimizer.learning_rate=3e-4 mesh.data=2``.
+A bad config or a path in it that does not exist is reported in one line (exit status 2)
+before anything loads; ``--debug`` adds the traceback.
 """
 
 from __future__ import annotations
@@ -11,10 +13,7 @@ import json
 import logging
 import sys
 
-from eagle3_jax.draft.export import DraftExportError
-from eagle3_jax.model.config import ConfigError
-from eagle3_jax.train.checkpointing import TrainCheckpointError
-from eagle3_jax.train.config import load_train_config
+from eagle3_jax.errors import run_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,29 +30,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
     parser.add_argument("--num-processes", type=int, default=None)
     parser.add_argument("--process-id", type=int, default=None)
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of user errors (config, paths, checkpoints) too")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = load_train_config(args.config, args.overrides)
-        if not args.print_config:
-            from eagle3_jax.train.distributed import initialize
+    return run_cli(lambda: _run(args), debug=args.debug)
 
-            initialize(args.distributed, args.coordinator, args.num_processes, args.process_id)
-        if args.print_config:
-            print(json.dumps(cfg.to_dict(), indent=2))
-            return 0
-        from eagle3_jax.train.loop import train
 
-        summary = train(cfg, max_steps=args.max_steps)
-    except (ConfigError, TrainCheckpointError, DraftExportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # data / preset / checkpoint loaders raise their own ValueErrors
-        if type(e).__name__ in ("DataError", "PresetError", "ModelUnavailableError", "MeshError"):
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        raise
+def _run(args: argparse.Namespace) -> int:
+    from eagle3_jax.train.config import load_train_config
+
+    cfg = load_train_config(args.config, args.overrides)
+    if args.print_config:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return 0
+    from eagle3_jax.train.distributed import initialize
+    from eagle3_jax.train.loop import check_inputs, train
+
+    # Before the multi-host start-up, which waits for every process: a typo fails at once.
+    check_inputs(cfg)
+    initialize(args.distributed, args.coordinator, args.num_processes, args.process_id)
+    summary = train(cfg, max_steps=args.max_steps)
     summary.pop("draft_config", None)
     summary["losses"] = summary["losses"][-5:]
     print(json.dumps(summary, indent=2, default=str))

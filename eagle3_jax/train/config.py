@@ -9,24 +9,56 @@ run's ``total_steps``) and :class:`MeshConfig`. Overrides use dotted keys for ne
 
 Values are parsed as YAML scalars, then coerced to the field's type (``3e-4`` is a float for a
 float field, ``null`` clears an optional field). Unknown keys and bad values raise
-:class:`ConfigError` naming the key.
+:class:`ConfigError` naming the key. :func:`check_paths` checks, in milliseconds and before
+anything loads, that the target and every file or folder the config names exist.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
+import optax
 import yaml
 
 from eagle3_jax.model.config import ConfigError
 from eagle3_jax.sharding import MeshConfig, MeshError
-from eagle3_jax.train.step import OptimizerConfig
 
 _DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warm-up and cosine decay; clip by global norm (reference §4)."""
+
+    learning_rate: float = 1e-4
+    warmup_steps: int = 100
+    total_steps: int = 10000
+    b1: float = 0.9
+    b2: float = 0.95
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    min_lr_ratio: float = 0.0
+
+    def schedule(self) -> optax.Schedule:
+        """Learning rate by step: linear warm-up to the peak, cosine decay to the end."""
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=self.learning_rate,
+            warmup_steps=max(self.warmup_steps, 1),
+            decay_steps=max(self.total_steps, self.warmup_steps + 1),
+            end_value=self.learning_rate * self.min_lr_ratio,
+        )
+
+    def build(self) -> optax.GradientTransformation:
+        return optax.chain(
+            optax.clip_by_global_norm(self.grad_clip),
+            optax.adamw(self.schedule(), b1=self.b1, b2=self.b2,
+                        weight_decay=self.weight_decay),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +217,90 @@ def load_train_config(path: str | Path | None = None,
             node = child
         node[parts[-1]] = value
     return TrainConfig.from_dict(data, source)
+
+
+# ---------------------------------------------------------------------------------------------
+# The inputs a run reads: checked before anything heavy loads.
+
+RECORDS_HINT = "a tokenised .npz/.jsonl from `python -m eagle3_jax.data prepare`"
+FEATURES_HINT = "a folder from `python -m eagle3_jax.data features`"
+
+
+def check_paths(cfg: TrainConfig, *, skip: Collection[str] = ()) -> None:
+    """Raise ConfigError, naming the key as the user types it (``target=``, ``train_data=``),
+    unless every input the run will read exists: ``target`` resolves (a preset with weights, an
+    existing path, or ``random:<preset>``), the record files / features folders and the
+    draft-vocabulary file exist, and ``out_dir`` is not a file.
+
+    Only existence is checked (milliseconds), not contents: the loaders still report a bad file.
+    ``skip``: keys this run does not read (an in-memory target or records, a draft vocabulary the
+    run folder already holds). Offline runs (train_features set) do not read train_data /
+    eval_data.
+    """
+    if "target" not in skip:
+        _check_target(cfg.target)
+    if cfg.train_features is not None:
+        for key in ("train_features", "eval_features"):
+            _check_features_dir(key, getattr(cfg, key))
+    else:
+        if cfg.train_data is None and "train_data" not in skip:
+            raise ConfigError(f"train config: set train_data= ({RECORDS_HINT}) or "
+                              f"train_features= ({FEATURES_HINT})")
+        for key in ("train_data", "eval_data"):
+            if key not in skip:
+                _check_file(key, getattr(cfg, key), RECORDS_HINT)
+    if "draft_vocab" not in skip:
+        _check_file("draft_vocab", cfg.draft_vocab,
+                    "a vocabulary .npz from `python -m eagle3_jax.data vocab`, or null to build one")
+    out = Path(cfg.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"train config: out_dir={cfg.out_dir!r} is a file; set out_dir= to a "
+                          "folder (new, or a run's folder to resume it)")
+
+
+def _check_file(key: str, value: str | None, hint: str) -> None:
+    if value is not None and not Path(value).is_file():
+        what = "is a folder, not a file" if Path(value).is_dir() else "does not exist"
+        raise ConfigError(f"train config: {key}={value!r} {what}; set {key}= to {hint}")
+
+
+def _check_features_dir(key: str, value: str | None) -> None:
+    from eagle3_jax.data.features import MANIFEST
+
+    if value is None:
+        return
+    path = Path(value)
+    if not path.is_dir():
+        raise ConfigError(f"train config: {key}={value!r} does not exist; set {key}= to "
+                          f"{FEATURES_HINT}")
+    if not (path / MANIFEST).is_file():
+        raise ConfigError(f"train config: {key}={value!r} holds no {MANIFEST}; set {key}= to "
+                          f"{FEATURES_HINT}")
+
+
+def _check_target(target: str) -> None:
+    """``target`` as ``train/loop.py: load_frozen_target`` and ``load_target`` resolve it."""
+    from eagle3_jax.presets import PresetError, list_presets, load_preset
+
+    if target.startswith("random:"):
+        try:
+            load_preset(target[len("random:"):])
+        except PresetError as e:
+            raise ConfigError(f"train config: target={target!r}: {e}") from None
+        return
+    if Path(target).exists():
+        return  # a checkpoint folder, GGUF or preset file; its loader judges the contents
+    presets = list_presets()
+    if target in presets:
+        if load_preset(target).weights is None:
+            raise ConfigError(f"train config: target={target!r} is a preset without weights; "
+                              "set target= to its HF checkpoint folder or .gguf file")
+        return
+    close = difflib.get_close_matches(target, presets, n=1)
+    hint = f" (did you mean target={close[0]}?)" if close else ""
+    raise ConfigError(f"train config: target={target!r} is neither a preset nor an existing "
+                      f"path{hint}; set target= to a preset ({', '.join(presets)}), an HF "
+                      "checkpoint folder, a .gguf file, or random:<preset>")
 
 
 # ---------------------------------------------------------------------------------------------

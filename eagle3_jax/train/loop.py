@@ -8,6 +8,11 @@
     repeat: host batch [A*B_local, T, ...] -> [A, B, T, ...] global array -> jitted train_step
             log every log_every, evaluate every eval_every, checkpoint every save_every
 
+``train`` reads as that outline: ``check_inputs`` checks that every path the config names exists
+(a typo fails in milliseconds, not after the data has loaded), ``_setup`` builds a
+:class:`TrainSetup` (the lines above the loop) and the starting state, ``_run_steps`` is the
+loop, ``evaluate`` the held-out pass.
+
 Two modes, one step function (``train/step.py``), one data pipeline (``data/pipeline.py``):
 
     online   the frozen target's full params run inside every step (TargetInputs);
@@ -42,7 +47,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -52,14 +57,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.draft.params import DraftHead, VocabMap, draft_param_specs, init_draft_params
+from eagle3_jax.draft.ttt import STEP_WEIGHT_DECAY
 from eagle3_jax.model.config import ConfigError, TargetConfig
 from eagle3_jax.model.params import Params, init_params, param_specs
 from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
 from eagle3_jax.train.checkpointing import TrainCheckpointError, TrainCheckpointer, abstract_state
-from eagle3_jax.train.config import TrainConfig
+from eagle3_jax.train.config import TrainConfig, check_paths
 from eagle3_jax.train.metrics import MetricsWriter, plot_accuracy, read_metrics
-from eagle3_jax.train.step import (TargetInputs, TrainState, eval_step,
-                                   simulated_accept_length, train_step)
+from eagle3_jax.train.inputs import FeatureInputs, TargetInputs, offline_frozen
+from eagle3_jax.train.step import TrainState, eval_step, simulated_accept_length, train_step
 
 log = logging.getLogger(__name__)
 
@@ -256,44 +262,68 @@ def _run_metadata(cfg: TrainConfig, tcfg: TargetConfig, draft_cfg: DraftConfig,
 
 
 # ---------------------------------------------------------------------------------------------
-# The loop.
+# Set-up: everything the step loop reads, built once.
 
 
-def train(
-    cfg: TrainConfig,
-    *,
-    max_steps: int | None = None,
-    target_override: TargetOverride | None = None,
-    train_records: Sequence | None = None,
-    eval_records: Sequence | None = None,
-) -> dict[str, Any]:
-    """Train (or resume) a draft head as ``cfg`` says.
+def check_inputs(cfg: TrainConfig, *, target_override: TargetOverride | None = None,
+                 train_records: Sequence | None = None,
+                 eval_records: Sequence | None = None) -> None:
+    """ConfigError naming the config key unless every path this run will read exists
+    (:func:`~eagle3_jax.train.config.check_paths`). Touches no device and takes milliseconds,
+    so a typo fails before the data, the target or a multi-host start-up. Arguments as
+    :func:`train`'s: what is given in memory is not read from a path."""
+    skip = set()
+    if target_override is not None:
+        skip.add("target")
+    if train_records is not None:
+        skip.add("train_data")
+    if eval_records is not None:
+        skip.add("eval_data")
+    if (Path(cfg.out_dir) / VOCAB_FILE).is_file():
+        skip.add("draft_vocab")  # a resumed run reuses its own copy (resolve_vocab)
+    check_paths(cfg, skip=skip)
 
-    Args:
-      cfg: the run config; ``cfg.out_dir`` holding checkpoints means resume.
-      max_steps: stop once the global step reaches this (a checkpoint is written there), as if
-        the job were pre-empted; None runs to ``cfg.total_steps``.
-      target_override: an in-memory target instead of ``cfg.target``.
-      train_records / eval_records: random-access sequences of {input_ids, loss_mask} instead of
-        ``cfg.train_data`` / ``cfg.eval_data`` (online mode only).
-    Returns:
-      summary dict: start_step, end_step, losses (one per step run here), last train metrics,
-      last eval metrics (with accept_length), out_dir, checkpoint steps, elapsed seconds.
+
+@dataclasses.dataclass(frozen=True)
+class TrainSetup:
+    """A run ready to step: built by :func:`_setup`, read by :func:`evaluate` and the loop.
+
+    The TrainState is not held here: it is donated to every step, so it travels beside.
     """
-    from eagle3_jax.data import make_train_iterator
 
-    out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg: TrainConfig
+    out_dir: Path
+    draft_cfg: DraftConfig
+    frozen: Params  # frozen target arrays on the mesh, as make_inputs reads them (inputs.py)
+    vocab: VocabMap  # the draft vocabulary, replicated
+    eval_records: Any | None  # held-out source, or None
+    data_iter: Any  # the grain training iterator, at its restored position on resume
+    ckpt: TrainCheckpointer
+    metadata: dict[str, Any]  # saved with every checkpoint (_run_metadata)
+    resumed: bool
+    # (state, frozen, vocab, batch [A, B, T, ...]) -> (state, metrics); donates the state.
+    step_fn: Callable
+    # (params, frozen, vocab, batch [B, T, ...]) -> metrics.
+    eval_fn: Callable
+    batch_sh: NamedSharding  # [A, B, T(, D)]: B over the batch axes
+    eval_batch_sh: NamedSharding  # [B, T(, D)]
+
+
+def _make_run_mesh(cfg: TrainConfig) -> Mesh:
     mesh = make_mesh(cfg.mesh)
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.batch_size % batch_shards or cfg.batch_size % jax.process_count():
         raise ConfigError(f"train config: batch_size {cfg.batch_size} must be a multiple of the "
                           f"data x fsdp mesh size {batch_shards} and of the process count "
                           f"{jax.process_count()}")
+    return mesh
 
-    # Data first: a missing file should fail before minutes of weight loading.
-    offline = cfg.train_features is not None
-    if offline:
+
+def _load_data(cfg: TrainConfig, train_records, eval_records):
+    """(train source, eval source or None, the offline FeatureShards or None): token records
+    (in memory or cfg.train_data / eval_data) or, offline, cfg.train_features / eval_features."""
+    features = None
+    if cfg.train_features is not None:
         if train_records is not None or eval_records is not None:
             raise ConfigError("train_records / eval_records are for online training; an "
                               "offline run reads cfg.train_features / eval_features")
@@ -306,17 +336,57 @@ def train(
         train_records = _load_records(train_records, cfg.train_data)
         eval_records = _load_records(eval_records, cfg.eval_data)
     train_records, eval_records = split_records(cfg, train_records, eval_records)
+    return train_records, eval_records, features
+
+
+def _restore_or_create(cfg: TrainConfig, ckpt: TrainCheckpointer, draft_cfg: DraftConfig,
+                       optimizer: optax.GradientTransformation, shapes: TrainState,
+                       state_sh: TrainState, data_iter) -> tuple[TrainState, bool]:
+    """(the latest checkpoint's state, restoring ``data_iter`` in place | a fresh state created
+    sharded, resumed?)."""
+    resume_step = ckpt.latest_step()
+    if resume_step is None:
+        create = jax.jit(functools.partial(_create_state, draft_cfg, optimizer),
+                         out_shardings=state_sh)
+        return create(jax.random.key(cfg.seed)), False
+    saved = ckpt.read_metadata(resume_step)
+    try:
+        saved_cfg = DraftConfig.from_dict(saved.get("draft_config") or {})
+    except (ConfigError, TypeError) as e:
+        raise TrainCheckpointError(f"{ckpt.directory}/{resume_step}: unreadable draft config "
+                                   f"({e}); use a new out_dir") from None
+    if saved_cfg != draft_cfg:
+        raise TrainCheckpointError(
+            f"{ckpt.directory} holds a head with config {saved.get('draft_config')}, but this "
+            f"run builds {draft_cfg.to_dict()}; use a new out_dir or the original config")
+    state, _ = ckpt.restore(abstract_state(shapes, state_sh), data_iter, resume_step)
+    log.info("resumed from %s at step %d", ckpt.directory, resume_step)
+    return state, True
+
+
+def _setup(cfg: TrainConfig, target_override: TargetOverride | None = None,
+          train_records: Sequence | None = None,
+          eval_records: Sequence | None = None) -> tuple[TrainSetup, TrainState]:
+    """Mesh, data, frozen target, vocabulary, state (restored or fresh) and the jitted steps.
+
+    Data is read before the target, so a bad data file fails before minutes of weight loading.
+    Returns (the run, its starting TrainState). Arguments as :func:`train`'s.
+    """
+    from eagle3_jax.data import make_train_iterator
+
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mesh = _make_run_mesh(cfg)
+    train_records, eval_records, features = _load_data(cfg, train_records, eval_records)
     tcfg, target_params, source = load_frozen_target(cfg, mesh, target_override)
-    if offline:
+    if features is not None:
         # DraftConfig.for_target taps the target's eagle3_tap_layers (asserted below); checked
         # before the vocabulary is counted from the features.
         check_features(features, tcfg, tcfg.eagle3_tap_layers)
     vocab = resolve_vocab(cfg, tcfg, out_dir, train_records)
     draft_cfg = DraftConfig.for_target(tcfg, draft_vocab_size=int(vocab.d2t.shape[0]),
                                        ttt_steps=cfg.ttt_steps, dtype=cfg.dtype)
-    if offline:
-        from eagle3_jax.train.offline import FeatureInputs, offline_frozen
-
+    if features is not None:
         assert draft_cfg.tap_layers == tuple(tcfg.eagle3_tap_layers)
         # Only the embedding table and output head; dropping the rest frees the target.
         frozen = offline_frozen(target_params, tcfg)
@@ -342,24 +412,8 @@ def train(
         seed=cfg.seed, shuffle=cfg.shuffle, pack=cfg.pack,
         shard_index=jax.process_index(), shard_count=jax.process_count())
     ckpt = TrainCheckpointer(out_dir / CHECKPOINT_DIR, max_to_keep=cfg.keep_checkpoints)
-    resume_step = ckpt.latest_step()
-    if resume_step is not None:
-        saved = ckpt.read_metadata(resume_step)
-        try:
-            saved_cfg = DraftConfig.from_dict(saved.get("draft_config") or {})
-        except (ConfigError, TypeError) as e:
-            raise TrainCheckpointError(f"{ckpt.directory}/{resume_step}: unreadable draft config "
-                                  f"({e}); use a new out_dir") from None
-        if saved_cfg != draft_cfg:
-            raise TrainCheckpointError(
-                f"{ckpt.directory} holds a head with config {saved.get('draft_config')}, but this "
-                f"run builds {draft_cfg.to_dict()}; use a new out_dir or the original config")
-        state, _ = ckpt.restore(abstract_state(shapes, state_sh), data_iter, resume_step)
-        log.info("resumed from %s at step %d", ckpt.directory, resume_step)
-    else:
-        create = jax.jit(functools.partial(_create_state, draft_cfg, optimizer),
-                         out_shardings=state_sh)
-        state = create(jax.random.key(cfg.seed))
+    state, resumed = _restore_or_create(cfg, ckpt, draft_cfg, optimizer, shapes, state_sh,
+                                        data_iter)
     (out_dir / "train_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
     step_fn = jax.jit(
@@ -371,76 +425,107 @@ def train(
         functools.partial(eval_step, make_inputs=make_inputs, draft_cfg=draft_cfg),
         in_shardings=(state_sh.params, frozen_sh, replicated, eval_batch_sh),
         out_shardings=replicated)
+    run = TrainSetup(cfg=cfg, out_dir=out_dir, draft_cfg=draft_cfg, frozen=frozen, vocab=vocab,
+                     eval_records=eval_records, data_iter=data_iter, ckpt=ckpt,
+                     metadata=metadata, resumed=resumed, step_fn=step_fn, eval_fn=eval_fn,
+                     batch_sh=batch_sh, eval_batch_sh=eval_batch_sh)
+    return run, state
 
-    def evaluate(params) -> dict[str, Any] | None:
-        if eval_records is None or cfg.eval_batches == 0:
-            return None
-        it = make_train_iterator(eval_records, batch_size=cfg.batch_size, max_len=cfg.max_len,
-                                 seed=cfg.seed, shuffle=False, pack=cfg.pack, num_epochs=1,
-                                 shard_index=jax.process_index(),
-                                 shard_count=jax.process_count())
-        sums = None
-        for _, host in zip(range(cfg.eval_batches), it):
-            m = jax.device_get(eval_fn(params, frozen, vocab,
-                                       _global_batch(host, eval_batch_sh, (), cfg.batch_size)))
-            w = m["weight_per_step"]
-            part = {"loss": m["loss_per_step"] * w, "acc": m["acc_per_step"] * w, "w": w}
-            sums = part if sums is None else {k: sums[k] + part[k] for k in sums}
-        if sums is None:
-            return None
-        w = np.maximum(sums["w"], 1.0)
-        acc = sums["acc"] / w
-        loss_per_step = sums["loss"] / w
-        decay = 0.8 ** np.arange(len(w))
-        return {"loss": float(np.sum(decay * loss_per_step)),
-                "loss_per_step": loss_per_step.tolist(), "acc_per_step": acc.tolist(),
-                "scored_per_step": sums["w"].tolist(),
-                "accept_length": simulated_accept_length(acc)}
 
-    start = int(jax.device_get(state.step))
-    end = min(cfg.total_steps, max_steps) if max_steps is not None else cfg.total_steps
-    writer = MetricsWriter(out_dir / METRICS_FILE,
-                           resume_step=start if resume_step is not None else None)
+# ---------------------------------------------------------------------------------------------
+# Evaluation.
+
+
+def evaluate(run: TrainSetup, params: Params) -> dict[str, Any] | None:
+    """Held-out metrics of ``params`` over the first ``cfg.eval_batches`` batches of the eval
+    source (unshuffled, one epoch); None when there is no eval set.
+
+    Per-step loss and accuracy are weighted by the scored tokens of each batch; ``loss`` is the
+    TTT loss (sum over steps of 0.8**i * loss_i) and ``accept_length`` the chain's simulated
+    tokens per round.
+    """
+    from eagle3_jax.data import make_train_iterator
+
+    cfg = run.cfg
+    if run.eval_records is None or cfg.eval_batches == 0:
+        return None
+    it = make_train_iterator(run.eval_records, batch_size=cfg.batch_size, max_len=cfg.max_len,
+                             seed=cfg.seed, shuffle=False, pack=cfg.pack, num_epochs=1,
+                             shard_index=jax.process_index(), shard_count=jax.process_count())
+    sums = None
+    for _, host in zip(range(cfg.eval_batches), it):
+        batch = _global_batch(host, run.eval_batch_sh, (), cfg.batch_size)
+        m = jax.device_get(run.eval_fn(params, run.frozen, run.vocab, batch))
+        w = m["weight_per_step"]
+        part = {"loss": m["loss_per_step"] * w, "acc": m["acc_per_step"] * w, "w": w}
+        sums = part if sums is None else {k: sums[k] + part[k] for k in sums}
+    if sums is None:
+        return None
+    w = np.maximum(sums["w"], 1.0)
+    acc = sums["acc"] / w
+    loss_per_step = sums["loss"] / w
+    decay = STEP_WEIGHT_DECAY ** np.arange(len(w))
+    return {"loss": float(np.sum(decay * loss_per_step)),
+            "loss_per_step": loss_per_step.tolist(), "acc_per_step": acc.tolist(),
+            "scored_per_step": sums["w"].tolist(),
+            "accept_length": simulated_accept_length(acc)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop.
+
+
+def _train_row(m: dict[str, Any], done: int, lr: float, tokens_per_s: float) -> dict[str, Any]:
+    """The metrics.jsonl row of a logged step (``m``: the step's metrics, on the host)."""
+    row = {"kind": "train", "step": done, "loss": float(m["loss"]),
+           "loss_per_step": m["loss_per_step"].tolist(),
+           "acc_per_step": m["acc_per_step"].tolist(),
+           "grad_norm": float(m["grad_norm"]), "lr": lr, "tokens_per_s": tokens_per_s}
+    if not math.isfinite(row["loss"]):
+        raise FloatingPointError(f"loss is {row['loss']} at step {done}; lower "
+                                 "optimizer.learning_rate or check the data")
+    return row
+
+
+def _run_steps(run: TrainSetup, state: TrainState, start: int, end: int) -> dict[str, Any]:
+    """Steps ``start`` .. ``end`` - 1: log every log_every, evaluate every eval_every, checkpoint
+    every save_every (and all three at ``end``). Returns losses (one per step), the last train
+    and eval rows, and the seconds taken."""
+    from tqdm import tqdm
+
+    cfg, out_dir = run.cfg, run.out_dir
+    writer = MetricsWriter(out_dir / METRICS_FILE, resume_step=start if run.resumed else None)
     schedule = cfg.optimizer.schedule()
     losses: list[jax.Array] = []
     last_train: dict[str, Any] | None = None
     last_eval: dict[str, Any] | None = None
     tokens_since, t_last, t_start = 0, time.perf_counter(), time.perf_counter()
 
-    from tqdm import tqdm
-
     bar = tqdm(total=end, initial=start, disable=not cfg.progress or jax.process_index() != 0,
                desc="train", unit="step", dynamic_ncols=True)
     for step in range(start, end):
         try:
-            host = next(data_iter)
+            host = next(run.data_iter)
         except StopIteration:
             raise ConfigError("the training data ran out; make_train_iterator should repeat "
                               "forever (num_epochs=None)") from None
         tokens_since += int(np.count_nonzero(host["segment_ids"]))
-        batch = _global_batch(host, batch_sh, (cfg.grad_accum,), cfg.batch_size)
-        state, metrics = step_fn(state, frozen, vocab, batch)
+        batch = _global_batch(host, run.batch_sh, (cfg.grad_accum,), cfg.batch_size)
+        state, metrics = run.step_fn(state, run.frozen, run.vocab, batch)
         losses.append(metrics["loss"])
         done = step + 1
 
         if done % cfg.log_every == 0 or done == end:
-            m = jax.device_get(metrics)
             now = time.perf_counter()
             tokens_per_s = tokens_since * jax.process_count() / max(now - t_last, 1e-9)
             tokens_since, t_last = 0, now
-            last_train = {"kind": "train", "step": done, "loss": float(m["loss"]),
-                          "loss_per_step": m["loss_per_step"].tolist(),
-                          "acc_per_step": m["acc_per_step"].tolist(),
-                          "grad_norm": float(m["grad_norm"]), "lr": float(schedule(step)),
-                          "tokens_per_s": tokens_per_s}
-            if not math.isfinite(last_train["loss"]):
-                raise FloatingPointError(f"loss is {last_train['loss']} at step {done}; lower "
-                                         "optimizer.learning_rate or check the data")
+            last_train = _train_row(jax.device_get(metrics), done, float(schedule(step)),
+                                    tokens_per_s)
             writer.write(last_train)
             bar.set_postfix(loss=f"{last_train['loss']:.3f}",
                             acc="/".join(f"{a:.2f}" for a in last_train["acc_per_step"][:4]))
         if done % cfg.eval_every == 0 or done == end:
-            last_eval = evaluate(state.params)
+            last_eval = evaluate(run, state.params)
             if last_eval is not None:
                 writer.write({"kind": "eval", "step": done, **last_eval})
                 bar.write(f"eval @ {done}: loss {last_eval['loss']:.3f}, acc "
@@ -449,18 +534,51 @@ def train(
             if jax.process_index() == 0:
                 plot_accuracy(read_metrics(writer.path), out_dir / PLOT_FILE)
         if done % cfg.save_every == 0 or done == end:
-            ckpt.save(done, state, data_iter, metadata)
+            run.ckpt.save(done, state, run.data_iter, run.metadata)
         bar.update(1)
     bar.close()
     if start == end and jax.process_index() == 0:
         plot_accuracy(read_metrics(writer.path), out_dir / PLOT_FILE)
-    steps = ckpt.all_steps()
-    ckpt.close()
-    return {"start_step": start, "end_step": end,
-            "losses": [float(x) for x in jax.device_get(losses)],
-            "train": last_train, "eval": last_eval, "out_dir": str(out_dir),
-            "checkpoint_steps": steps, "elapsed_s": time.perf_counter() - t_start,
-            "draft_config": draft_cfg}
+    return {"losses": [float(x) for x in jax.device_get(losses)], "train": last_train,
+            "eval": last_eval, "elapsed_s": time.perf_counter() - t_start}
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    max_steps: int | None = None,
+    target_override: TargetOverride | None = None,
+    train_records: Sequence | None = None,
+    eval_records: Sequence | None = None,
+) -> dict[str, Any]:
+    """Train (or resume) a draft head as ``cfg`` says.
+
+    Args:
+      cfg: the run config; ``cfg.out_dir`` holding checkpoints means resume.
+      max_steps: stop once the global step reaches this (a checkpoint is written there), as if
+        the job were pre-empted; None runs to ``cfg.total_steps``.
+      target_override: an in-memory target instead of ``cfg.target``.
+      train_records / eval_records: random-access sequences of {input_ids, loss_mask} instead of
+        ``cfg.train_data`` / ``cfg.eval_data`` (online mode only).
+    Raises:
+      ConfigError: a bad config or a path in it that does not exist (before anything loads);
+        DataError, CheckpointError, TrainCheckpointError: unreadable inputs or checkpoints.
+    Returns:
+      summary dict: start_step, end_step, losses (one per step run here), last train metrics,
+      last eval metrics (with accept_length), out_dir, checkpoint steps, elapsed seconds.
+    """
+    check_inputs(cfg, target_override=target_override, train_records=train_records,
+                 eval_records=eval_records)
+    run, state = _setup(cfg, target_override, train_records, eval_records)
+    start = int(jax.device_get(state.step))
+    end = min(cfg.total_steps, max_steps) if max_steps is not None else cfg.total_steps
+    result = _run_steps(run, state, start, end)
+    steps = run.ckpt.all_steps()
+    run.ckpt.close()
+    return {"start_step": start, "end_step": end, "losses": result["losses"],
+            "train": result["train"], "eval": result["eval"], "out_dir": str(run.out_dir),
+            "checkpoint_steps": steps, "elapsed_s": result["elapsed_s"],
+            "draft_config": run.draft_cfg}
 
 
 # ---------------------------------------------------------------------------------------------
