@@ -243,7 +243,8 @@ def test_export_cli_from_training_run(tmp_path):
     from eagle3_jax.export import main
     from eagle3_jax.model.params import init_params
     from eagle3_jax.train.config import TrainConfig
-    from eagle3_jax.train.loop import TargetOverride, load_trained_head, train
+    from eagle3_jax.draft.load import read_run_head
+    from eagle3_jax.train.loop import TargetOverride, train
 
     tcfg = target_cfg()
     rng = np.random.default_rng(0)
@@ -256,7 +257,7 @@ def test_export_cli_from_training_run(tmp_path):
     train(cfg, target_override=TargetOverride(tcfg, init_params(tcfg, jax.random.key(0))),
           train_records=records)
     assert main(["--checkpoint", str(run), "--step", "1", "--out", str(tmp_path / "head")]) == 0
-    head, step = load_trained_head(run, 1)
+    head, step = read_run_head(run, 1)
     loaded = load_draft_head(tmp_path / "head", tcfg)
     assert step == 1 and loaded.cfg.draft_vocab_size == VD
     for name, value in head.params.items():

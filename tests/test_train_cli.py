@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_jax.draft.load import VOCAB_FILE
 from eagle3_jax.model.config import ConfigError
 from eagle3_jax.train import loop
 from eagle3_jax.train.__main__ import main
@@ -116,7 +117,7 @@ def test_what_a_run_does_not_read_is_not_checked(inputs):
     cfg = TrainConfig(target="tiny", train_data=None, draft_vocab="gone.npz",
                       out_dir=str(inputs / "run"))
     (inputs / "run").mkdir()
-    (inputs / "run" / loop.VOCAB_FILE).write_bytes(b"")
+    (inputs / "run" / VOCAB_FILE).write_bytes(b"")
     loop.check_inputs(cfg, target_override=object(), train_records=[])
     with pytest.raises(ConfigError, match="target='tiny'"):
         loop.check_inputs(cfg, train_records=[])

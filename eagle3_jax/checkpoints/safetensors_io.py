@@ -87,8 +87,9 @@ class SafetensorsFile:
         return raw.view(dtype).reshape(shape)
 
     def read_all(self) -> dict[str, np.ndarray]:
-        """Every tensor, as zero-copy views."""
-        return {name: self.tensor(name) for name in self.entries}
+        """Every tensor, copied out of the file (views would fault if the file is rewritten in
+        place while they live)."""
+        return {name: np.array(self.tensor(name)) for name in self.entries}
 
 
 def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray],

@@ -105,5 +105,7 @@ def load(path: Path, shardings_for) -> tuple[TargetConfig, Params] | None:
         path.unlink(missing_ok=True)
         return None
     shardings = jax.tree.leaves(shardings_for(cfg))
-    params = [jax.device_put(a, s) for a, s in zip(arrays, shardings)]
+    # One tensor at a time out of the mapping into device memory (a copy: nothing keeps
+    # pointing into the file, which may be replaced later).
+    params = [jax.device_put(np.array(a), s) for a, s in zip(arrays, shardings)]
     return cfg, jax.tree.unflatten(treedef, params)

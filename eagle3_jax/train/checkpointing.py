@@ -26,9 +26,11 @@ import jax
 import orbax.checkpoint as ocp
 
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.draft.load import DATA_ITEM as DATA
+from eagle3_jax.draft.load import META_ITEM as META
+from eagle3_jax.draft.load import STATE_ITEM as STATE
 from eagle3_jax.train.step import TrainState
 
-STATE, DATA, META = "state", "data", "meta"
 
 
 class TrainCheckpointError(Eagle3Error, RuntimeError):
@@ -62,8 +64,9 @@ class TrainCheckpointer:
             self._manager = ocp.CheckpointManager(self.directory, options=options,
                                                   item_names=(STATE, DATA, META))
         except Exception as e:  # noqa: BLE001 - orbax raises many types
-            raise TrainCheckpointError(f"cannot open checkpoint folder {self.directory}: {e}. Check "
-                                  "the path is writable, or choose another out_dir.") from e
+            raise TrainCheckpointError(
+                f"cannot open checkpoint folder {self.directory}: {e}. Check the path is "
+                "writable, or choose another out_dir.") from e
 
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())

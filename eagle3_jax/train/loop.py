@@ -55,23 +55,22 @@ import optax
 import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from eagle3_jax.decoding.acceptance import chain_accept_length
 from eagle3_jax.draft.config import DraftConfig
-from eagle3_jax.draft.params import DraftHead, VocabMap, draft_param_specs, init_draft_params
+from eagle3_jax.draft.load import CHECKPOINT_DIR, METRICS_FILE, VOCAB_FILE
+from eagle3_jax.draft.params import VocabMap, draft_param_specs, init_draft_params
 from eagle3_jax.draft.ttt import STEP_WEIGHT_DECAY
 from eagle3_jax.model.config import ConfigError, TargetConfig
 from eagle3_jax.model.params import Params, init_params, param_specs
-from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
+from eagle3_jax.sharding import make_mesh, param_shardings
 from eagle3_jax.train.checkpointing import TrainCheckpointError, TrainCheckpointer, abstract_state
 from eagle3_jax.train.config import TrainConfig, check_paths
-from eagle3_jax.train.metrics import MetricsWriter, plot_accuracy, read_metrics
 from eagle3_jax.train.inputs import FeatureInputs, TargetInputs, offline_frozen
-from eagle3_jax.train.step import TrainState, eval_step, simulated_accept_length, train_step
+from eagle3_jax.train.metrics import MetricsWriter, plot_accuracy, read_metrics
+from eagle3_jax.train.step import TrainState, eval_step, train_step
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "checkpoints"
-VOCAB_FILE = "draft_vocab.npz"
-METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "accuracy.png"
 BATCH_AXES = ("data", "fsdp")
 
@@ -468,7 +467,7 @@ def evaluate(run: TrainSetup, params: Params) -> dict[str, Any] | None:
     return {"loss": float(np.sum(decay * loss_per_step)),
             "loss_per_step": loss_per_step.tolist(), "acc_per_step": acc.tolist(),
             "scored_per_step": sums["w"].tolist(),
-            "accept_length": simulated_accept_length(acc)}
+            "accept_length": chain_accept_length(acc)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -579,48 +578,3 @@ def train(
             "train": result["train"], "eval": result["eval"], "out_dir": str(run.out_dir),
             "checkpoint_steps": steps, "elapsed_s": result["elapsed_s"],
             "draft_config": run.draft_cfg}
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading a trained head back.
-
-
-def load_trained_head(run_dir: str | Path, step: int | None = None) -> tuple[DraftHead, int]:
-    """(DraftHead of a training run's checkpoint, its step); the latest step by default.
-
-    ``run_dir`` is a training ``out_dir`` (or its ``checkpoints/`` folder). Params come back on
-    the first local device.
-    """
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise TrainCheckpointError(f"run folder {run_dir} does not exist; pass the out_dir of a "
-                              "training run")
-    if (run_dir / CHECKPOINT_DIR).is_dir():
-        ckpt_dir = run_dir / CHECKPOINT_DIR
-    elif run_dir.name == CHECKPOINT_DIR:
-        ckpt_dir, run_dir = run_dir, run_dir.parent
-    else:
-        raise TrainCheckpointError(f"{run_dir} has no {CHECKPOINT_DIR}/ folder; pass the out_dir of a "
-                              "training run")
-    ckpt = TrainCheckpointer(ckpt_dir, max_to_keep=1 << 30)
-    try:
-        step = ckpt.resolve_step(step)
-        meta = ckpt.read_metadata(step)
-        try:
-            draft_cfg = DraftConfig.from_dict(meta["draft_config"])
-            train_cfg = TrainConfig.from_dict(meta["train_config"])
-        except (KeyError, ConfigError) as e:
-            raise TrainCheckpointError(f"{ckpt_dir}/{step}: unreadable run metadata ({e})") from None
-        mesh = make_mesh(MeshConfig(1, 1, 1), jax.local_devices()[:1])
-        shapes, shardings = abstract_train_state(draft_cfg, train_cfg.optimizer.build(), mesh)
-        state, _ = ckpt.restore(abstract_state(shapes, shardings), None, step)
-    finally:
-        ckpt.close()
-    vocab_file = meta.get("draft_vocab_file")
-    if vocab_file is None:
-        vocab = VocabMap.identity(draft_cfg.vocab_size)
-    else:
-        from eagle3_jax.data import load_vocab_map
-
-        vocab = load_vocab_map(run_dir / vocab_file)
-    return DraftHead(params=state.params, vocab=vocab, cfg=draft_cfg), step

@@ -8,7 +8,7 @@ Records (``metrics.jsonl`` in the run folder)::
      "accept_length": ...}
 
 ``accept_length`` is the simulated acceptance length ``1 + sum_k prod_{i<=k} acc_i`` of a chain
-of K drafts (``eagle3_jax.train.step.simulated_accept_length``).
+of K drafts (``eagle3_jax.decoding.acceptance.chain_accept_length``).
 """
 
 from __future__ import annotations

@@ -89,12 +89,3 @@ def eval_step(params: Params, frozen: Params, vocab: VocabMap, batch: dict[str, 
     loss, metrics = ttt_forward(params, draft_cfg, frozen["embed"], ttt)
     metrics["loss"] = loss
     return metrics
-
-
-def simulated_accept_length(acc_per_step) -> float:
-    """1 + sum_k prod_{i<=k} acc_i: expected tokens per round for a chain of len(acc) drafts."""
-    total, running = 1.0, 1.0
-    for a in acc_per_step:
-        running *= float(a)
-        total += running
-    return total
