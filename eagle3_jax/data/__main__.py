@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 
 from eagle3_jax.data.sources import CONVERSATIONS_FILE, DataError
+from eagle3_jax.compile_cache import enable_compile_cache
+from eagle3_jax.errors import run_cli
 
 
 # The evaluation prompts shipped with the benchmarks; `prepare` drops them by default.
@@ -72,6 +74,7 @@ def cmd_vocab(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eagle3_jax.data", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prepare", help="read and normalise conversations")
@@ -168,12 +171,8 @@ def cmd_features(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    enable_compile_cache()
+    return run_cli(lambda: args.func(args), debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,9 @@ def _run(args: argparse.Namespace) -> int:
     # Before the multi-host start-up, which waits for every process: a typo fails at once.
     check_inputs(cfg)
     initialize(args.distributed, args.coordinator, args.num_processes, args.process_id)
+    from eagle3_jax.compile_cache import enable_compile_cache
+
+    enable_compile_cache()  # a resumed run skips recompiling its step
     summary = train(cfg, max_steps=args.max_steps)
     summary.pop("draft_config", None)
     summary["losses"] = summary["losses"][-5:]
