@@ -1,9 +1,9 @@
-"""``python -m eagle3_jax.bench <forward|train|speed> [options]``."""
+"""``python -m eagle3_jax.bench <forward|train|speed|startup> [options]``."""
 
 import importlib
 import sys
 
-COMMANDS = ("forward", "train", "speed")
+COMMANDS = ("forward", "train", "speed", "startup")
 
 
 def main(argv=None) -> int:
