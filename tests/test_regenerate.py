@@ -139,7 +139,7 @@ def test_cli_and_errors(smollm2, smollm2_gguf_path, data_file, tmp_path, capsys)
     assert "no-such-model" in capsys.readouterr().err
     assert main(["regenerate", "--data", str(data_file), "--out", str(out), "--target",
                  str(smollm2_gguf_path), "--top-p", "0"]) == 2
-    assert "top_p" in capsys.readouterr().err
+    assert "--top-p must be" in capsys.readouterr().err  # worded with the flag typed
 
     # A malformed line that is not the last one is an error, not silently dropped.
     bad = tmp_path / "bad"

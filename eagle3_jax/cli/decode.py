@@ -42,7 +42,6 @@ adds the traceback); anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -249,7 +248,7 @@ def _load_target(args, load_fn):
 
 
 def _run(args: argparse.Namespace, load_fn: Callable | None) -> None:
-    from eagle3_jax.decoding import SamplingError, SamplingParams
+    from eagle3_jax.decoding.sampling import sampling_from_flags
     from eagle3_jax.decoding.decoders import CompileCache, EagleDecoder, PlainDecoder
 
     mode = _check_flags(args)
@@ -263,11 +262,7 @@ def _run(args: argparse.Namespace, load_fn: Callable | None) -> None:
     tree = None
     if eagle and total_tokens != "auto":  # impossible sizes fail before any loading
         tree = resolve_tree(total_tokens, args.tree_top_k, args.depth)
-    try:
-        sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
-    except SamplingError as e:  # worded with the flag the user typed
-        raise UsageError(re.sub(r"^(temperature|top_p|top_k)",
-                                lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from None
+    sampling = sampling_from_flags(args.temperature, args.top_p, args.top_k)
     conversations = [] if args.chat else read_conversations(args.prompt, args.prompts_file)
     check_raw(args.raw, conversations, args.system, args.chat)
     if eagle:

@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from eagle3_jax.data.sources import CONVERSATIONS_FILE, DataError
+from eagle3_jax.data.sources import CONVERSATIONS_FILE
 from eagle3_jax.compile_cache import enable_compile_cache
 from eagle3_jax.errors import run_cli
 
@@ -141,12 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_regenerate(args: argparse.Namespace) -> None:
     from eagle3_jax.data.regenerate import (load_conversations, load_target_or_error,
                                             regenerate_conversations)
-    from eagle3_jax.decoding import SamplingError, SamplingParams
+    from eagle3_jax.decoding.sampling import sampling_from_flags
 
-    try:
-        sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
-    except SamplingError as e:
-        raise DataError(str(e)) from None
+    sampling = sampling_from_flags(args.temperature, args.top_p, args.top_k)
     conversations = load_conversations(args.data, args.limit)  # bad data fails before loading
     target = load_target_or_error(args.target, dtype=args.dtype)
     stats = regenerate_conversations(

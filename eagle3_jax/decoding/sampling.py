@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,16 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
+
+
+def sampling_from_flags(temperature: float, top_p: float, top_k: int) -> SamplingParams:
+    """SamplingParams from command-line flags; an error names the flag the user typed
+    (``--top-p``, not ``top_p``)."""
+    try:
+        return SamplingParams(temperature, top_p, top_k)
+    except SamplingError as e:
+        raise SamplingError(re.sub(r"^(temperature|top_p|top_k)",
+                                   lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from None
 
 
 def adjust_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
