@@ -92,7 +92,6 @@ def load_target(
     source = _resolve(target)
     if dtype is None and source.preset is not None:
         dtype = source.preset.target.dtype
-    tokenizer = source.tokenizer()
     use_cache = mode == "serving" and weights_cache and cached_weights.enabled()
     if use_cache:
         cache_file = cached_weights.cache_path(source.path, dtype)
@@ -102,14 +101,16 @@ def load_target(
             cfg, params = hit
             if source.preset is not None:
                 _check_matches(source.preset, cfg)
-            return LoadedTarget(cfg, params, tokenizer, source.description, mesh, source.path)
+            return LoadedTarget(cfg, params, source.tokenizer(), source.description, mesh,
+                                source.path)
     cfg, params = source.read(mesh, mode, dtype)
     if mode == "serving":
         shardings = param_shardings(serving_specs(cfg), mesh, "serving")
         params = to_serving(params, cfg, shardings=shardings, delete_stacked=True)
         if use_cache:
             cached_weights.save(cache_file, params, cfg)
-    return LoadedTarget(cfg, params, tokenizer, source.description, mesh, source.path)
+    # The tokenizer after the weights: a damaged file gets the weights reader's error.
+    return LoadedTarget(cfg, params, source.tokenizer(), source.description, mesh, source.path)
 
 
 def _resolve(target) -> _Source:
