@@ -30,11 +30,16 @@ model: $(STAMP)
 demo: model
 	$(PY) -m eagle3_jax.decode
 
+# One pytest worker per core (pytest-xdist), a test file per worker so module fixtures are
+# built once; PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= auto
+PYTEST_ARGS := -q -n $(PYTEST_WORKERS) --dist loadfile
+
 test: model
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q tests
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest $(PYTEST_ARGS) tests
 
 test-fast: model
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest -q -m "not slow" tests
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests
 
 bench: model
 	$(PY) -m eagle3_jax.bench forward

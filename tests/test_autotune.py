@@ -17,7 +17,7 @@ from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.draft.params import DraftHead, VocabMap, init_draft_params
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.params import init_params
+from eagle3_jax.model.params import init_params, to_serving
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 CHEAP_DRAFT = {w: 1e-5 for w in (1, 2, 4, 8, 16)}
@@ -28,10 +28,10 @@ def test_expected_accept_length_of_a_chain_is_the_prefix_product_sum():
     chain = TreeConfig.chain(3)
     assert expected_accept_length(chain, rates) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
     # Siblings add the rank-1 share a (1 - a): 0.8 * 0.2 for the root's second child.
-    wide = TreeConfig(top_k=2, depth=1, total_tokens=3)
+    wide = TreeConfig(tree_top_k=2, depth=1, total_tokens=3)
     assert expected_accept_length(wide, rates) == pytest.approx(1 + 0.8 + 0.16)
     # Perfect acceptance: every level adds one token.
-    assert expected_accept_length(TreeConfig(top_k=4, depth=5, total_tokens=40),
+    assert expected_accept_length(TreeConfig(tree_top_k=4, depth=5, total_tokens=40),
                                   [1.0] * 5) == pytest.approx(6.0)
     assert default_accept_rates(3) == pytest.approx([0.6, 0.54, 0.486])
     # The training eval's chain estimate is the same model with one child per node.
@@ -46,7 +46,7 @@ def test_mean_accept_length_is_tokens_per_round():
 
 
 def test_more_tokens_never_lower_the_expected_length():
-    taus = [expected_accept_length(TreeConfig(top_k=4, depth=6, total_tokens=n))
+    taus = [expected_accept_length(TreeConfig(tree_top_k=4, depth=6, total_tokens=n))
             for n in range(2, 60)]
     assert all(b >= a for a, b in zip(taus, taus[1:]))
     assert taus[-1] <= 1 + 6  # at most depth drafts plus the bonus token
@@ -86,7 +86,7 @@ def test_better_heads_and_cheaper_drafts_grow_the_tree():
     expensive = CostModel(target=costs.target, draft={w: 0.004 for w in CHEAP_DRAFT})
     assert select_tree(expensive, [0.9]).tree.depth < strong.tree.depth
     # A fixed dimension is respected.
-    assert select_tree(costs, [0.9], top_k=1).tree.top_k == 1
+    assert select_tree(costs, [0.9], tree_top_k=1).tree.tree_top_k == 1
     assert select_tree(costs, [0.9], depth=2).tree.depth == 2
 
 
@@ -94,7 +94,7 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
     cfg = TargetConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
                        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
                        max_position_embeddings=256)
-    params = init_params(cfg, jax.random.key(0), scale=0.3)
+    params = to_serving(init_params(cfg, jax.random.key(0), scale=0.3), cfg)
     dcfg = DraftConfig.for_target(cfg, draft_vocab_size=32)
     head = DraftHead(init_draft_params(dcfg, jax.random.key(1)),
                      VocabMap.from_used_ids(np.arange(0, 64, 2), 64), dcfg)
@@ -114,8 +114,8 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(autotune, "forward_curve", no_timing)
     monkeypatch.setattr(autotune, "measure_draft_steps", no_timing)
     assert autotune.measure_costs(params, cfg, head, 16, **kw) == costs
-    choice = autotune.select_tree(costs, top_k=2)
-    assert choice.tree.top_k == 2 and 2 <= choice.tree.total_tokens <= 4
+    choice = autotune.select_tree(costs, tree_top_k=2)
+    assert choice.tree.tree_top_k == 2 and 2 <= choice.tree.total_tokens <= 4
     # Another target config is another file, and so is a change to the timed code.
     other = TargetConfig(**{**cfg.to_dict(), "num_layers": 5})
     assert autotune.cache_path(other) != path

@@ -30,7 +30,7 @@ from eagle3_jax.checkpoints import default_model, gguf_loader
 from eagle3_jax.checkpoints.gguf_loader import unpermute_qk
 from eagle3_jax.checkpoints.hf_names import param_to_hf
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.params import is_spec, param_specs, serving_specs, to_stacked
+from eagle3_jax.model.params import is_spec, param_specs, serving_specs, to_serving, to_stacked
 from eagle3_jax.model.target import forward
 from eagle3_jax.presets import PresetError
 from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
@@ -47,6 +47,9 @@ def mesh1():
 
 
 def causal_logits(params, cfg, tokens: np.ndarray) -> np.ndarray:
+    """Logits [B, T, V] of params in either layout (the loaders give stacked, load_target
+    serving), run in the serving layout."""
+    params = to_serving(params, cfg)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))

@@ -16,7 +16,7 @@ import pytest
 from eagle3_jax.decode import main
 from eagle3_jax.decoding import generate, pad_prompts
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.params import init_params
+from eagle3_jax.model.params import init_params, to_serving
 
 EOS, PAD = 256, 257
 CFG = TargetConfig(arch="llama", vocab_size=260, hidden_size=32, intermediate_size=64,
@@ -43,7 +43,7 @@ class ByteTokenizer:
 
 @pytest.fixture(scope="module")
 def tiny():
-    params = init_params(CFG, jax.random.PRNGKey(1), scale=0.3)
+    params = to_serving(init_params(CFG, jax.random.PRNGKey(1), scale=0.3), CFG)
     return types.SimpleNamespace(cfg=CFG, params=params, tokenizer=ByteTokenizer(),
                                  source="tiny-random")
 

@@ -23,13 +23,13 @@ from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache, fuse_taps
 from eagle3_jax.draft.params import DraftHead, VocabMap, init_draft_params
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.params import init_params
+from eagle3_jax.model.params import init_params, to_serving
 from eagle3_jax.model.target import KVCache, causal_mask, forward
 
 TREES = {
     "chain": TreeConfig.chain(4),
-    "wide": TreeConfig(top_k=4, depth=2, total_tokens=14),
-    "deep": TreeConfig(top_k=2, depth=6, total_tokens=12),
+    "wide": TreeConfig(tree_top_k=4, depth=2, total_tokens=14),
+    "deep": TreeConfig(tree_top_k=2, depth=6, total_tokens=12),
     "default": TreeConfig(),
 }
 
@@ -38,7 +38,7 @@ def make_models(vocab=96, draft_vocab=48, seed=0, scale=0.3):
     cfg = TargetConfig(arch="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64,
                        num_layers=6, num_heads=4, num_kv_heads=2, head_dim=8,
                        tie_word_embeddings=True, max_position_embeddings=512)
-    params = init_params(cfg, jax.random.key(seed), scale=scale)
+    params = to_serving(init_params(cfg, jax.random.key(seed), scale=scale), cfg)
     dcfg = DraftConfig.for_target(cfg, draft_vocab_size=draft_vocab)
     used = np.sort(np.random.default_rng(seed).choice(vocab, draft_vocab, replace=False))
     head = DraftHead(params=init_draft_params(dcfg, jax.random.key(seed + 1), scale=0.3),
@@ -120,7 +120,7 @@ def oracle_proposer(target_params, head, state, cfg, tree_cfg):
     return tree_from_parents(tokens.astype(jnp.int32), parents, depth)
 
 
-@pytest.mark.parametrize("tree", [TreeConfig.chain(3), TreeConfig(top_k=2, depth=3,
+@pytest.mark.parametrize("tree", [TreeConfig.chain(3), TreeConfig(tree_top_k=2, depth=3,
                                                                   total_tokens=7)])
 def test_oracle_draft_reaches_max_acceptance(models, tree):
     cfg, params, head = models
@@ -165,15 +165,24 @@ def _python_ancestors(parents):
     return anc
 
 
+# Jitted: run op by op, the prefill and the tree build take seconds of dispatch per call.
+_jit_prefill = jax.jit(_prefill, static_argnames=("cfg", "tree_cfg", "sampling", "eos_token_ids",
+                                                  "max_new_tokens", "max_len"))
+_jit_forward = jax.jit(forward, static_argnums=1, static_argnames=("tap_layers",))
+_jit_draft_step = jax.jit(draft_step_cached, static_argnums=1)
+
+
 @pytest.mark.parametrize("tree", list(TREES), ids=list(TREES))
 def test_tree_invariants(models, tree):
     cfg, params, head = models
     tree_cfg = TREES[tree]
     tokens, lengths = _prompts([10, 3, 7], cfg.vocab_size)
-    state = _prefill(params, head, tokens, lengths, jax.random.key(0), cfg=cfg,
-                     tree_cfg=tree_cfg, sampling=SamplingParams(), eos_token_ids=(),
-                     max_new_tokens=16, max_len=64)
-    t = eagle_mod.draft_proposer(params, head, state, cfg, tree_cfg)
+    state = _jit_prefill(params, head, tokens, lengths, jax.random.key(0), cfg=cfg,
+                         tree_cfg=tree_cfg, sampling=SamplingParams(), eos_token_ids=(),
+                         max_new_tokens=16, max_len=64)
+    propose = jax.jit(eagle_mod.draft_proposer, static_argnames=("cfg", "tree_cfg"))
+    t = jax.device_get(propose(params, head, state, cfg=cfg, tree_cfg=tree_cfg))
+    state = jax.device_get(state)
     parents, depths = np.asarray(t.parents), np.asarray(t.depths)
     n = tree_cfg.total_tokens
     assert t.tokens.shape == (3, n)
@@ -192,23 +201,23 @@ def test_tree_invariants(models, tree):
         # No node has more than top_k children; siblings are distinct tokens.
         for i in range(n):
             kids = np.flatnonzero(parents[b] == i)
-            assert len(kids) <= tree_cfg.top_k
+            assert len(kids) <= tree_cfg.tree_top_k
             assert len(set(np.asarray(t.tokens[b, kids]).tolist())) == len(kids)
     # Level 1 holds the draft's own top choices for the root.
     top = np.asarray(head.vocab.draft_to_target)[
-        np.argsort(-np.asarray(state.root_logp), axis=1)[:, :tree_cfg.top_k]]
+        np.argsort(-np.asarray(state.root_logp), axis=1)[:, :tree_cfg.tree_top_k]]
     for b in range(3):
         level1 = set(np.asarray(t.tokens[b])[depths[b] == 1].tolist())
         assert level1 <= set(top[b].tolist()) and len(level1) >= 1
-    if tree_cfg.top_k == 1:
+    if tree_cfg.tree_top_k == 1:
         np.testing.assert_array_equal(parents, np.broadcast_to(np.arange(n) - 1, (3, n)))
 
 
 def test_impossible_tree_sizes_are_refused():
     with pytest.raises(TreeError, match="total_tokens <= 3"):
-        TreeConfig(top_k=1, depth=2, total_tokens=10)
+        TreeConfig(tree_top_k=1, depth=2, total_tokens=10)
     with pytest.raises(TreeError, match="positive integer"):
-        TreeConfig(top_k=0)
+        TreeConfig(tree_top_k=0)
     with pytest.raises(TreeError, match="at least 2"):
         TreeConfig(total_tokens=1)
 
@@ -218,11 +227,11 @@ def test_impossible_tree_sizes_are_refused():
 
 def test_commit_equals_recomputing_the_caches(models):
     cfg, params, head = models
-    tree_cfg = TreeConfig(top_k=2, depth=3, total_tokens=7)
+    tree_cfg = TreeConfig(tree_top_k=2, depth=3, total_tokens=7)
     tokens, lengths = _prompts([7, 12], cfg.vocab_size)
     kw = dict(cfg=cfg, tree_cfg=tree_cfg, sampling=SamplingParams(), eos_token_ids=())
-    state = _prefill(params, head, tokens, lengths, jax.random.key(0), max_new_tokens=40,
-                     max_len=64, **kw)
+    state = _jit_prefill(params, head, tokens, lengths, jax.random.key(0), max_new_tokens=40,
+                         max_len=64, **kw)
     step = jax.jit(functools.partial(_round, proposer=oracle_proposer, **kw))
     for _ in range(3):
         state = step(params, head, state)
@@ -232,9 +241,9 @@ def test_commit_equals_recomputing_the_caches(models):
         committed = np.concatenate([np.asarray(tokens[b, :n_prompt]), emitted[:-1]])
         assert len(committed) == end and emitted[-1] == int(state.root[b])
         seq = jnp.asarray(committed)[None]
-        ref = forward(params, cfg, seq, jnp.arange(end)[None],
-                      causal_mask(jnp.zeros((1,), jnp.int32), end, 64), KVCache.zeros(cfg, 1, 64),
-                      tap_layers=head.cfg.tap_layers)
+        ref = _jit_forward(params, cfg, seq, jnp.arange(end)[None],
+                           causal_mask(jnp.zeros((1,), jnp.int32), end, 64),
+                           KVCache.zeros(cfg, 1, 64), tap_layers=head.cfg.tap_layers)
         # Keys [B, K, H, S] and values [B, K, S, H], compared slot-major.
         for got, want in ((state.cache.k, ref.cache.k), (state.cache.v, ref.cache.v)):
             if got is state.cache.k:
@@ -243,7 +252,7 @@ def test_commit_equals_recomputing_the_caches(models):
                                        np.stack(want)[:, 0, :, :end], atol=2e-5)
         # The draft cache equals a draft prefill over the same context from scratch.
         nxt = jnp.asarray(np.append(committed[1:], emitted[-1]))[None]
-        _, _, dk, _ = draft_step_cached(head.params, head.cfg, params["embed"][nxt],
+        _, _, dk, _ = _jit_draft_step(head.params, head.cfg, params["embed"][nxt],
                                         fuse_taps(head.params, ref.taps), jnp.arange(end)[None],
                                         causal_mask(jnp.zeros((1,), jnp.int32), end, 64),
                                         *empty_draft_cache(head.cfg, 1, 64), jnp.arange(end)[None])
@@ -261,7 +270,7 @@ def _exact_joint(params, cfg, prompt, sampling):
     n = prompt.shape[0]
     seqs = jnp.concatenate([jnp.broadcast_to(prompt, (v, n)), jnp.arange(v)[:, None]], axis=1)
     mask = jnp.tril(jnp.ones((n + 1, n + 1), bool))[None].repeat(v, 0)
-    out = forward(params, cfg, seqs, jnp.broadcast_to(jnp.arange(n + 1), (v, n + 1)), mask)
+    out = _jit_forward(params, cfg, seqs, jnp.broadcast_to(jnp.arange(n + 1), (v, n + 1)), mask)
     p1 = probs(out.logits[0, n - 1][None], sampling)[0]
     p2 = probs(out.logits[:, n], sampling)
     return np.asarray(p1[:, None] * p2, np.float64)
@@ -271,7 +280,7 @@ def _sample_pairs(params, cfg, head, prompt, sampling, samples, seed):
     tokens = jnp.broadcast_to(prompt, (samples, prompt.shape[0]))
     lengths = jnp.full((samples,), prompt.shape[0], jnp.int32)
     out = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=2,
-                         tree=TreeConfig(top_k=3, depth=2, total_tokens=6), sampling=sampling,
+                         tree=TreeConfig(tree_top_k=3, depth=2, total_tokens=6), sampling=sampling,
                          key=jax.random.key(seed))
     assert (np.asarray(out.num_generated) == 2).all()
     return np.asarray(out.tokens)

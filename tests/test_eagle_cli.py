@@ -24,7 +24,7 @@ from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.draft.export import export_draft_head
 from eagle3_jax.draft.params import DraftHead, VocabMap, init_draft_params
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.params import init_params
+from eagle3_jax.model.params import init_params, to_serving
 
 PROMPTS = ["What is the capital of France?",
            "List three prime numbers and explain briefly why each one is prime."]
@@ -113,7 +113,7 @@ def test_compare_reports_both_speeds(smollm2, smollm2_head_dir, prompts_file, ca
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tree", [TreeConfig.chain(4), TreeConfig(top_k=3, depth=3,
+@pytest.mark.parametrize("tree", [TreeConfig.chain(4), TreeConfig(tree_top_k=3, depth=3,
                                                                   total_tokens=10)],
                          ids=["chain", "tree"])
 def test_library_greedy_equals_plain_on_smollm2(smollm2, tree):
@@ -170,8 +170,8 @@ class ByteTokenizer:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    target = types.SimpleNamespace(cfg=TINY, params=init_params(TINY, jax.random.key(1),
-                                                                scale=0.3),
+    target = types.SimpleNamespace(cfg=TINY, params=to_serving(
+                                       init_params(TINY, jax.random.key(1), scale=0.3), TINY),
                                    tokenizer=ByteTokenizer(), source="tiny-random")
     head_dir = export_draft_head(random_head(TINY, 200, seed=2),
                                  tmp_path_factory.mktemp("tiny") / "head")
@@ -217,7 +217,8 @@ def test_bench_speed_json(tmp_path, capsys):
     from eagle3_jax.bench.speed import main as speed_main
 
     cfg = TargetConfig(**{**TINY.to_dict(), "max_position_embeddings": 1024})
-    target = types.SimpleNamespace(cfg=cfg, params=init_params(cfg, jax.random.key(3), scale=0.3),
+    target = types.SimpleNamespace(cfg=cfg, params=to_serving(
+                                       init_params(cfg, jax.random.key(3), scale=0.3), cfg),
                                    tokenizer=ByteTokenizer(), source="tiny-random")
     head = export_draft_head(random_head(cfg, 200, seed=4), tmp_path / "head")
     out = tmp_path / "speed.json"
@@ -234,6 +235,6 @@ def test_bench_speed_json(tmp_path, capsys):
         assert len(task["accept_by_depth"]) == 3 and task["tau"] >= 1
         assert task["identical"] is True and task["tokens_per_s_eagle"] > 0
     assert result["tasks"]["mt_bench"]["turns"] == 2
-    assert result["config"]["tree"] == {"top_k": 2, "depth": 3, "total_tokens": 8}
+    assert result["config"]["tree"] == {"tree_top_k": 2, "depth": 3, "total_tokens": 8}
     assert "| mt_bench |" in captured.out
     assert out.with_suffix(".md").is_file() and out.with_suffix(".png").stat().st_size > 0

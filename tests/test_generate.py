@@ -22,7 +22,7 @@ from eagle3_jax.decoding import (
     probs, sample,
 )
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.params import init_params
+from eagle3_jax.model.params import init_params, to_serving
 from eagle3_jax.model.target import forward
 
 CFG = TargetConfig(arch="llama", vocab_size=61, hidden_size=32, intermediate_size=64,
@@ -36,7 +36,7 @@ REF_WIDTH = 48  # fixed width of the reference forward: one compilation for ever
 @pytest.fixture(scope="module")
 def params():
     # scale 0.3: logits spread widely enough that greedy has no near-ties.
-    return init_params(CFG, jax.random.PRNGKey(0), scale=0.3)
+    return to_serving(init_params(CFG, jax.random.PRNGKey(0), scale=0.3), CFG)  # decoders' layout
 
 
 @jax.jit
@@ -289,7 +289,6 @@ def test_bench_decode_loop_is_greedy_decoding(params):
     """``bench forward`` times ``decode_loop`` as plain decoding's inner loop: it must decode
     exactly what greedy decoding decodes, and leave the cache end where it started."""
     from eagle3_jax.decoding.costs import decode_loop
-    from eagle3_jax.model.params import to_serving
     from eagle3_jax.model.target import prefill
 
     prompt = PROMPTS[0]

@@ -14,12 +14,13 @@ import pytest
 
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import init_params, to_serving
-from eagle3_jax.model.target import KVCache, causal_mask, forward
+from eagle3_jax.model.target import KVCache, causal_mask, forward, forward_stacked
 
 ATOL = 1e-5
 MAX_LEN = 32
 
 jit_forward = jax.jit(forward, static_argnums=1)
+jit_stacked = jax.jit(forward_stacked, static_argnums=1)
 
 # GQA with q/k/v bias and q/k norm so every attention input path goes through the cache.
 CFG = TargetConfig(arch="qwen3", vocab_size=101, hidden_size=32, intermediate_size=48,
@@ -37,7 +38,7 @@ def _full_logits(tokens: np.ndarray) -> np.ndarray:
     b, t = tokens.shape
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    out = jit_forward(PARAMS, CFG, jnp.asarray(tokens), positions, mask)
+    out = jit_stacked(PARAMS, CFG, jnp.asarray(tokens), positions, mask)
     assert 0.3 < float(out.logits.std()) < 3, "params not at the intended O(1) scale"
     return np.asarray(out.logits)
 
@@ -165,7 +166,7 @@ def test_tree_mask_node_logits_equal_their_branch_run_alone():
     for node, path in enumerate(paths):
         branch = tree_tokens[:, path]  # [B, len(path)]
         positions = cache.end[:, None] + jnp.arange(len(path))
-        alone = jit_forward(PARAMS, CFG, jnp.asarray(branch), positions,
+        alone = jit_forward(SERVING, CFG, jnp.asarray(branch), positions,
                             causal_mask(cache.end, len(path), MAX_LEN), cache)
         np.testing.assert_allclose(np.asarray(tree.logits[:, node]),
                                    np.asarray(alone.logits[:, -1]), atol=ATOL, rtol=0,
@@ -178,7 +179,7 @@ def test_logit_positions_select_the_same_logits():
     expected = _full_logits(tokens)
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((8, 8), bool)), (2, 8, 8))
     picks = jnp.array([[7, 0], [3, 3]])
-    out = jit_forward(PARAMS, CFG, jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(8), (2, 8)),
+    out = jit_stacked(PARAMS, CFG, jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(8), (2, 8)),
                       mask, logit_positions=picks)
     np.testing.assert_allclose(np.asarray(out.logits),
                                np.take_along_axis(expected, np.asarray(picks)[..., None], axis=1),

@@ -22,12 +22,13 @@ import pytest
 
 from eagle3_jax.model.config import RopeScaling, TargetConfig
 from eagle3_jax.model.params import is_spec, serving_specs, to_serving, to_stacked
-from eagle3_jax.model.target import forward
+from eagle3_jax.model.target import forward, forward_stacked
 from hf_reference import hf_forward, tiny_hf_model
 
 ATOL = 1e-4
 
 jit_forward = jax.jit(forward, static_argnums=1, static_argnames=("tap_layers",))
+jit_stacked = jax.jit(forward_stacked, static_argnums=1, static_argnames=("tap_layers",))
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -67,10 +68,11 @@ def _causal(batch: int, length: int) -> jax.Array:
 def _run_both(case: str, tokens: np.ndarray, positions: np.ndarray, layout: str = "stacked"):
     hf_model, cfg, params = _model(case)
     hf_logits, hf_hidden = hf_forward(hf_model, tokens, positions)
+    run = jit_stacked
     if layout == "serving":
-        params = to_serving(params, cfg)
+        params, run = to_serving(params, cfg), jit_forward
     b, t = tokens.shape
-    out = jit_forward(params, cfg, jnp.asarray(tokens), jnp.asarray(positions), _causal(b, t),
+    out = run(params, cfg, jnp.asarray(tokens), jnp.asarray(positions), _causal(b, t),
                       tap_layers=cfg.eagle3_tap_layers)
     return cfg, params, out, hf_logits, hf_hidden
 
@@ -139,7 +141,7 @@ def test_llama3_rope_scaling_matters_and_offset_positions_match_hf():
     _, _, out, hf_logits, _ = _run_both("llama3_rope", tokens, positions)
     np.testing.assert_allclose(np.asarray(out.logits), hf_logits, atol=ATOL, rtol=0)
 
-    unscaled = jit_forward(params, cfg.replace(rope_scaling=None), jnp.asarray(tokens),
+    unscaled = jit_stacked(params, cfg.replace(rope_scaling=None), jnp.asarray(tokens),
                            jnp.asarray(positions), _causal(2, 40))
     assert np.abs(np.asarray(unscaled.logits) - hf_logits).max() > 100 * ATOL
 

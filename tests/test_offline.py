@@ -20,7 +20,7 @@ from eagle3_jax.draft.params import VocabMap, init_draft_params
 from eagle3_jax.draft.ttt import ttt_forward
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import init_params
-from eagle3_jax.model.target import forward, packed_causal_mask
+from eagle3_jax.model.target import forward_stacked, packed_causal_mask
 from eagle3_jax.train.inputs import (FeatureError, features_ttt_batch, labels_from_hidden,
                                      target_head_rows, target_ttt_batch)
 
@@ -81,9 +81,10 @@ def reference_features(target, tokens):
 
 def _reference_features(target, tokens):
     t = len(tokens)
-    out = forward(target.params, target.cfg, jnp.asarray(tokens)[None],
-                  jnp.arange(t, dtype=jnp.int32)[None], packed_causal_mask(jnp.ones((1, t))),
-                  tap_layers=target.cfg.eagle3_tap_layers, compute_logits=False)
+    out = forward_stacked(target.params, target.cfg, jnp.asarray(tokens)[None],
+                          jnp.arange(t, dtype=jnp.int32)[None],
+                          packed_causal_mask(jnp.ones((1, t))),
+                          tap_layers=target.cfg.eagle3_tap_layers, compute_logits=False)
     return np.asarray(out.taps[0]), np.asarray(out.hidden[0])
 
 

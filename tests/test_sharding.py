@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import (init_params, is_spec, param_specs, serving_specs,
                                      to_serving)
-from eagle3_jax.model.target import KVCache, causal_mask, forward
+from eagle3_jax.model.target import KVCache, causal_mask, forward, forward_stacked
 from eagle3_jax.sharding import (
     KV_CACHE_K_AXES, KV_CACHE_V_AXES, MeshConfig, MeshError, describe_fallbacks, make_mesh,
     named_sharding, param_shardings,
@@ -96,6 +96,7 @@ EXPECTED = {
 }
 
 jit_forward = jax.jit(forward, static_argnums=1)
+jit_stacked = jax.jit(forward_stacked, static_argnums=1)
 
 
 def _host_params(cfg: TargetConfig) -> dict:
@@ -122,7 +123,7 @@ def _reference(name: str):
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-    out = jit_forward(params, cfg, tokens, positions, mask)
+    out = jit_stacked(params, cfg, tokens, positions, mask)
     assert 0.3 < float(out.logits.std()) < 3, "params not at the intended O(1) scale"
     return params, (tokens, positions, mask), out
 
@@ -156,7 +157,7 @@ def _sharded_forward(params, name, mesh, mode):
     """Forward of the reference inputs of config ``name``, inputs placed by the rules."""
     cfg = CONFIGS[name]
     tokens, positions, mask = _reference(name)[1]
-    return jit_forward(params, cfg, _put(tokens, ("batch", "seq"), mesh, mode),
+    return jit_stacked(params, cfg, _put(tokens, ("batch", "seq"), mesh, mode),
                        _put(positions, ("batch", "seq"), mesh, mode),
                        _put(mask, ("batch", "seq", "cache_seq"), mesh, mode))
 
@@ -194,7 +195,7 @@ def test_params_created_sharded_by_jit_init():
     out = _sharded_forward(params, name, mesh, mode)
     tokens, positions, mask = _reference(name)[1]
     gathered = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), params)  # one device
-    ref = jit_forward(gathered, cfg, tokens, positions, mask)
+    ref = jit_stacked(gathered, cfg, tokens, positions, mask)
     assert 0.3 < float(ref.logits.std()) < 3
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=0)
 
@@ -214,8 +215,8 @@ def test_sharded_kv_cache_prefill_and_decode_match_single_device(name, shape):
                            causal_mask(cache.end, 1, MAX_LEN), cache)
         return pre, step
 
-    ref_pre, ref_step = prefill_and_step(ref_params, KVCache.zeros(cfg, B, MAX_LEN), tokens,
-                                         positions)
+    ref_pre, ref_step = prefill_and_step(to_serving(ref_params, cfg),
+                                         KVCache.zeros(cfg, B, MAX_LEN), tokens, positions)
 
     # The serving layout (what load_target gives): converted from sharded stacked params and
     # placed by the serving rules (fused q/k/v keeps the kv-head split).

@@ -199,7 +199,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
                                         compile_cache=cache),
                 "eagle": EagleDecoder(target, GREEDY, args.max_new_tokens, 0, head=head,
                                       tree=tree, compile_cache=cache)}
-    log(f"[speed: {target.source} with {description}; tree top_k={tree.top_k} depth="
+    log(f"[speed: {target.source} with {description}; tree tree_top_k={tree.tree_top_k} depth="
         f"{tree.depth} total_tokens={tree.total_tokens}]")
     results, warm = {}, set()
     start = time.perf_counter()
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
     mean = {"tau": statistics.mean(r["tau"] for r in results.values()),
             "speedup": statistics.mean(r["speedup"] for r in results.values())}
     config = {"target": str(target.source), "draft": description,
-              "tree": {"top_k": tree.top_k, "depth": tree.depth,
+              "tree": {"tree_top_k": tree.tree_top_k, "depth": tree.depth,
                        "total_tokens": tree.total_tokens},
               "total_tokens_auto": total_tokens == "auto", "num_prompts": args.num_prompts,
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "batch_size": 1,
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
     if not args.no_plot:
         plot(out.with_suffix(".png"), results,
              f"EAGLE-3 on {Path(str(getattr(target, 'weights', None) or target.source)).name}"
-             f", tree {tree.top_k}/{tree.depth}/{tree.total_tokens}, {args.num_prompts} "
+             f", tree {tree.tree_top_k}/{tree.depth}/{tree.total_tokens}, {args.num_prompts} "
              "prompts/task, batch 1, T=0")
         written.append(out.with_suffix(".png"))
     log(f"[wrote {', '.join(map(str, written))}]")

@@ -92,27 +92,27 @@ def parse_mesh(text: str | None):
     return MeshConfig(**{"data": 1, "fsdp": 1, "tensor": 1, **sizes})
 
 
-def resolve_tree(total_tokens, top_k: int | None, depth: int | None):
+def resolve_tree(total_tokens, tree_top_k: int | None, depth: int | None):
     """A TreeConfig from the number flags (``total_tokens`` not "auto")."""
     from eagle3_jax.decoding.tree import TreeConfig
 
-    fields = {"top_k": top_k, "depth": depth, "total_tokens": total_tokens}
+    fields = {"tree_top_k": tree_top_k, "depth": depth, "total_tokens": total_tokens}
     default = TreeConfig()
-    if total_tokens is None and (top_k is not None or depth is not None):
+    if total_tokens is None and (tree_top_k is not None or depth is not None):
         # Only the shape was given: verify every candidate the shape proposes, up to 16.
-        k, d = top_k or default.top_k, depth or default.depth
+        k, d = tree_top_k or default.tree_top_k, depth or default.depth
         fields["total_tokens"] = min(default.total_tokens, k + (d - 1) * k * k + 1)
     return TreeConfig(**{k: v for k, v in fields.items() if v is not None})
 
 
-def autotune(target, loaded_head, prompt_length: int, top_k: int | None, depth: int | None,
+def autotune(target, loaded_head, prompt_length: int, tree_top_k: int | None, depth: int | None,
              accept_rates: list[float] | None):
     """The autotuned TreeChoice (measured costs, the head's or the given acceptance rates)."""
     from eagle3_jax.decoding.autotune import autotune_tree
 
     rates = accept_rates or loaded_head.accept_rates
     choice = autotune_tree(target.params, target.cfg, loaded_head.head, prompt_length,
-                           accept_rates=rates, top_k=top_k, depth=depth, log=log)
+                           accept_rates=rates, tree_top_k=tree_top_k, depth=depth, log=log)
     source = ("--accept-rates" if accept_rates else "the head's" if rates
               else "default profile 0.6*0.9^d")
     log(f"[autotune ({source} acceptance rates): {choice.describe()}]")
@@ -294,7 +294,7 @@ def _run(args: argparse.Namespace, load_fn: Callable | None) -> None:
                     "this machine (--force-eagle keeps EAGLE)]")
                 mode, eagle = "vanilla", False
     if eagle:
-        log(f"[draft tree: top_k={tree.top_k} depth={tree.depth} "
+        log(f"[draft tree: top_k={tree.tree_top_k} depth={tree.depth} "
             f"total_tokens={tree.total_tokens}]")
         decoders["eagle"] = EagleDecoder(target, sampling, args.max_new_tokens, args.seed,
                                          head=loaded.head, tree=tree, compile_cache=cache)

@@ -217,7 +217,10 @@ def extract_features(
     num_shards = manifest["num_shards"]
     stats = FeatureStats(records=len(records), shards=num_shards)
     todo = [s for s in range(num_shards) if not (out_dir / SHARD_PATTERN.format(s)).is_dir()]
+    from eagle3_jax.model.params import to_serving
+
     run = _target_fn()
+    params = to_serving(target.params, cfg)  # features run in the serving layout (forward)
     store = jnp.dtype(dtype)
     bar = None
     if progress:
@@ -243,7 +246,7 @@ def extract_features(
                     tokens[i, :len(t)] = t
                     segments[i, :len(t)] = 1
                     positions[i, :len(t)] = np.arange(len(t))
-                taps, hidden = jax.device_get(run(target.params, tokens, segments, positions,
+                taps, hidden = jax.device_get(run(params, tokens, segments, positions,
                                                   cfg=cfg, tap_layers=tap_layers, dtype=store))
                 for i, (t, _) in enumerate(chunk):
                     taps_out.append(taps[i, :len(t)])

@@ -10,7 +10,8 @@ are not counted either (:func:`eagle3_jax.decoding.eagle` records each round's e
 * :func:`chain_accept_length`: modelled for a chain of drafts with per-step accuracies (the
   training eval's simulated tau).
 * :func:`expected_accept_length`: modelled for a dynamic tree (the tree chooser's, see
-  :mod:`eagle3_jax.decoding.autotune`); a chain (``top_k=1``) gives :func:`chain_accept_length`.
+  :mod:`eagle3_jax.decoding.autotune`); a chain (``tree_top_k=1``) gives
+  :func:`chain_accept_length`.
 
 Per-depth rates ``a_d`` (d = 0 for the root's children) are the chance that the draft's top-1
 token at depth d equals the target's, given its path was accepted. The rank-r sibling (0-based)
@@ -63,7 +64,7 @@ def rates_for_depth(rates: Sequence[float] | None, depth: int) -> list[float]:
     return rates[:depth]
 
 
-def candidate_scores(top_k: int, depth: int, rates: Sequence[float]) -> np.ndarray:
+def candidate_scores(tree_top_k: int, depth: int, rates: Sequence[float]) -> np.ndarray:
     """Modelled acceptance probability of every candidate node, sorted descending.
 
     Which nodes the tree holds follows the real build (``decoding/tree.py``) with the model's
@@ -71,11 +72,11 @@ def candidate_scores(top_k: int, depth: int, rates: Sequence[float]) -> np.ndarr
     further level the k children of the best k nodes of the level above.
     """
     a = rates_for_depth(rates, depth)
-    rank = lambda d: np.array([a[d] * (1 - a[d]) ** r for r in range(top_k)])  # noqa: E731
+    rank = lambda d: np.array([a[d] * (1 - a[d]) ** r for r in range(tree_top_k)])  # noqa: E731
     level = rank(0)
     scores = [level]
     for d in range(1, depth):
-        frontier = np.sort(level)[::-1][:top_k]
+        frontier = np.sort(level)[::-1][:tree_top_k]
         level = (frontier[:, None] * rank(d)[None, :]).reshape(-1)
         scores.append(level)
     return np.sort(np.concatenate(scores))[::-1]
@@ -84,5 +85,5 @@ def candidate_scores(top_k: int, depth: int, rates: Sequence[float]) -> np.ndarr
 def expected_accept_length(tree: TreeConfig, rates: Sequence[float] | None = None) -> float:
     """Modelled E[tau] (tokens per round, bonus included) of ``tree``: 1 + the best
     ``total_tokens - 1`` candidates' acceptance probabilities."""
-    scores = candidate_scores(tree.top_k, tree.depth, rates_for_depth(rates, tree.depth))
+    scores = candidate_scores(tree.tree_top_k, tree.depth, rates_for_depth(rates, tree.depth))
     return 1.0 + float(np.sum(scores[: tree.total_tokens - 1]))

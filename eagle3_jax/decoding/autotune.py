@@ -1,8 +1,8 @@
-"""Pick the draft tree (top_k, depth, total_tokens) that maximises expected tokens/s here.
+"""Pick the draft tree (tree_top_k, depth, total_tokens) that maximises expected tokens/s here.
 
 The model (batch 1, greedy)::
 
-    tokens/s(tree) = E[tau](tree) / (t_target(total_tokens) + t_draft(depth, top_k))
+    tokens/s(tree) = E[tau](tree) / (t_target(total_tokens) + t_draft(depth, tree_top_k))
 
 * ``t_target(T)``: measured seconds of one target forward over T new tokens after ``context``
   cached tokens (:func:`eagle3_jax.decoding.costs.forward_curve`), T in 1, 2, 4, ..., 64;
@@ -71,8 +71,8 @@ class CostModel:
     def target_cost(self, total_tokens: int) -> float:
         return _interp(self.target, total_tokens)
 
-    def draft_cost(self, depth: int, top_k: int) -> float:
-        return (depth - 1) * _interp(self.draft, top_k) + _interp(self.draft, depth + 1)
+    def draft_cost(self, depth: int, tree_top_k: int) -> float:
+        return (depth - 1) * _interp(self.draft, tree_top_k) + _interp(self.draft, depth + 1)
 
     @property
     def max_tokens(self) -> int:
@@ -93,7 +93,8 @@ class TreeChoice:
 
     def describe(self) -> str:
         t = self.tree
-        text = (f"top_k={t.top_k} depth={t.depth} total_tokens={t.total_tokens}: modelled "
+        text = (f"tree_top_k={t.tree_top_k} depth={t.depth} total_tokens={t.total_tokens}: "
+                f"modelled "
                 f"tau {self.expected_accept_length:.2f}, {self.seconds_per_round * 1e3:.2f} ms "
                 f"per round, {self.tokens_per_s:.1f} tokens/s vs plain "
                 f"{self.plain_tokens_per_s:.1f} ({self.predicted_speedup:.2f}x)")
@@ -105,18 +106,18 @@ class TreeChoice:
 
 
 def select_tree(costs: CostModel, rates: Sequence[float] | None = None, *,
-                top_k: int | None = None, depth: int | None = None,
-                top_ks: Sequence[int] = TOP_KS, depths: Sequence[int] = DEPTHS) -> TreeChoice:
+                tree_top_k: int | None = None, depth: int | None = None,
+                tree_top_ks: Sequence[int] = TOP_KS, depths: Sequence[int] = DEPTHS) -> TreeChoice:
     """The valid tree with the highest modelled tokens/s (ties: the smaller tree).
 
-    ``top_k`` / ``depth`` fix that dimension (a user's ``--top-k`` / ``--depth``); total_tokens
-    ranges over 2 .. the largest measured T.
+    ``tree_top_k`` / ``depth`` fix that dimension (a user's ``--tree-top-k`` / ``--depth``);
+    total_tokens ranges over 2 .. the largest measured T.
     """
-    top_ks = (top_k,) if top_k is not None else tuple(top_ks)
+    tree_top_ks = (tree_top_k,) if tree_top_k is not None else tuple(tree_top_ks)
     depths = (depth,) if depth is not None else tuple(depths)
     plain = 1.0 / costs.target_cost(1)
     best: TreeChoice | None = None
-    for k in top_ks:
+    for k in tree_top_ks:
         for d in depths:
             scores = candidate_scores(k, d, rates_for_depth(rates, d))
             tau = 1.0 + np.concatenate([[0.0], np.cumsum(scores)])  # tau[n] for n drafts
@@ -125,11 +126,11 @@ def select_tree(costs: CostModel, rates: Sequence[float] | None = None, *,
                 seconds = costs.target_cost(n) + draft
                 speed = tau[n - 1] / seconds
                 if best is None or speed > best.tokens_per_s:
-                    best = TreeChoice(TreeConfig(top_k=k, depth=d, total_tokens=n),
+                    best = TreeChoice(TreeConfig(tree_top_k=k, depth=d, total_tokens=n),
                                       float(tau[n - 1]), seconds, speed, plain)
     if best is None:
-        raise AutotuneError(f"no tree fits top_k={top_ks}, depth={depths} and the measured "
-                            f"sizes up to {costs.max_tokens} tokens")
+        raise AutotuneError(f"no tree fits tree_top_k={tree_top_ks}, depth={depths} and the "
+                            f"measured sizes up to {costs.max_tokens} tokens")
     return best
 
 
@@ -227,10 +228,10 @@ def autotune_context(prompt_length: int) -> int:
 
 
 def autotune_tree(target_params, cfg, head, prompt_length: int, *,
-                  accept_rates: Sequence[float] | None = None, top_k: int | None = None,
+                  accept_rates: Sequence[float] | None = None, tree_top_k: int | None = None,
                   depth: int | None = None, directory: str | Path | None = None,
                   log: Callable[[str], None] = lambda s: None) -> TreeChoice:
     """Measure (once per machine, model and context bucket) and pick the tree."""
     costs = measure_costs(target_params, cfg, head, autotune_context(prompt_length),
                           directory=directory, log=log)
-    return select_tree(costs, accept_rates, top_k=top_k, depth=depth)
+    return select_tree(costs, accept_rates, tree_top_k=tree_top_k, depth=depth)

@@ -141,7 +141,7 @@ def _round(target_params, head: DraftHead, state: EagleState, *, cfg: TargetConf
     logits, cache, taps = verify_forward(target_params, cfg, tree, state.cache,
                                          head.cfg.tap_layers)
     step = state.step + 1
-    acc = accept(jax.random.fold_in(state.key, step), tree, logits, sampling, tree_cfg.top_k)
+    acc = accept(jax.random.fold_in(state.key, step), tree, logits, sampling, tree_cfg.tree_top_k)
     cache = commit_path(cache, acc.path, active)
     count = acc.num_accepted + 1  # accepted drafts + the bonus token
     # Emitted this round: path tokens after the root, then the bonus token.

@@ -1,16 +1,16 @@
 """EAGLE-2 dynamic draft tree, built on device with static shapes (reference §5).
 
-From the root (the last token the target produced) the draft proposes ``top_k`` children; at
-each further level the ``top_k`` frontier nodes each propose ``top_k`` children scored by
-cumulative log-probability, and the best ``top_k`` of those ``top_k**2`` become the next
+From the root (the last token the target produced) the draft proposes ``tree_top_k`` children; at
+each further level the ``tree_top_k`` frontier nodes each propose ``tree_top_k`` children scored by
+cumulative log-probability, and the best ``tree_top_k`` of those ``tree_top_k**2`` become the next
 frontier. Every proposed node is a candidate::
 
-    candidates C = top_k + (depth - 1) * top_k**2      (level-major order)
+    candidates C = tree_top_k + (depth - 1) * tree_top_k**2      (level-major order)
 
 and the best ``total_tokens - 1`` candidates by score (ties to the earlier candidate), re-sorted
 by candidate index, plus the root form the verified tree. A child's score never exceeds its
 parent's (log-probabilities are <= 0) and a parent precedes its children, so the selection is a
-connected tree in parent-first order. ``top_k = 1`` is a chain of ``depth`` tokens.
+connected tree in parent-first order. ``tree_top_k = 1`` is a chain of ``depth`` tokens.
 
 Tree arrays (B batch, N = total_tokens, root at index 0)::
 
@@ -21,7 +21,7 @@ Tree arrays (B batch, N = total_tokens, root at index 0)::
     paths     [B, N, depth + 1] int32  root-to-node tree indices, -1 past the node's depth
 
 Draft-cache layout during the build: the committed context fills slots [0, end); the frontier
-of level d (1-based) is written at slots ``end + (d-1)*top_k + j``. A frontier node attends to
+of level d (1-based) is written at slots ``end + (d-1)*tree_top_k + j``. A frontier node attends to
 the context plus its own ancestors and itself, as training-time test trained it to.
 """
 
@@ -46,15 +46,15 @@ class TreeError(Eagle3Error, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class TreeConfig:
-    """Static tree shape: ``top_k`` children per expanded node, ``depth`` draft levels, and
+    """Static tree shape: ``tree_top_k`` children per expanded node, ``depth`` draft levels, and
     ``total_tokens`` verified per round including the root."""
 
-    top_k: int = 4
+    tree_top_k: int = 4
     depth: int = 4
     total_tokens: int = 16
 
     def __post_init__(self):
-        for name in ("top_k", "depth", "total_tokens"):
+        for name in ("tree_top_k", "depth", "total_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TreeError(f"tree {name} must be a positive integer, got {value!r}")
@@ -63,22 +63,23 @@ class TreeConfig:
         if self.total_tokens - 1 > self.num_candidates:
             raise TreeError(
                 f"total_tokens={self.total_tokens} needs {self.total_tokens - 1} draft tokens but "
-                f"top_k={self.top_k}, depth={self.depth} proposes only {self.num_candidates} "
-                f"(top_k + (depth-1)*top_k^2); use total_tokens <= {self.num_candidates + 1}"
+                f"tree_top_k={self.tree_top_k}, depth={self.depth} proposes only "
+                f"{self.num_candidates} (tree_top_k + (depth-1)*tree_top_k^2); use total_tokens "
+                f"<= {self.num_candidates + 1}"
             )
 
     @property
     def num_candidates(self) -> int:
-        return self.top_k + (self.depth - 1) * self.top_k ** 2
+        return self.tree_top_k + (self.depth - 1) * self.tree_top_k ** 2
 
     @property
     def draft_slots(self) -> int:
         """Draft-cache slots used past the context end during one round."""
-        return max((self.depth - 1) * self.top_k, self.depth + 1)
+        return max((self.depth - 1) * self.tree_top_k, self.depth + 1)
 
     @classmethod
     def chain(cls, depth: int) -> "TreeConfig":
-        return cls(top_k=1, depth=depth, total_tokens=depth + 1)
+        return cls(tree_top_k=1, depth=depth, total_tokens=depth + 1)
 
 
 @struct.dataclass
@@ -140,7 +141,7 @@ def build_tree(
     Returns:
       DraftTree with N = total_tokens nodes (candidate scratch slots are not returned).
     """
-    k, depth = tree_cfg.top_k, tree_cfg.depth
+    k, depth = tree_cfg.tree_top_k, tree_cfg.depth
     b = root_tokens.shape[0]
     draft_to_target = vocab.draft_to_target  # [Vd] target id of each draft id
     num_cand = tree_cfg.num_candidates

@@ -56,7 +56,7 @@ class Acceptance:
 
 
 def accept(key: jax.Array, tree: DraftTree, logits: jax.Array, sampling: SamplingParams,
-           top_k: int) -> Acceptance:
+           tree_top_k: int) -> Acceptance:
     """Walk the tree (see module docstring). logits [B, N, V] from :func:`verify_forward`."""
     b, n = tree.tokens.shape
     depth = tree.paths.shape[-1] - 1
@@ -67,19 +67,19 @@ def accept(key: jax.Array, tree: DraftTree, logits: jax.Array, sampling: Samplin
     alive = jnp.ones((b,), bool)
     path = [node]
     num_accepted = jnp.zeros((b,), jnp.int32)
-    keys = jax.random.split(key, depth * top_k + 1)
+    keys = jax.random.split(key, depth * tree_top_k + 1)
     for level in range(depth):
         is_child = tree.parents == node[:, None]  # [B, N]
-        # Children in tree order (at most top_k of them: one node proposes top_k).
-        order = jnp.argsort(~is_child, axis=1, stable=True)[:, :top_k]
+        # Children in tree order (at most tree_top_k of them: one node proposes tree_top_k).
+        order = jnp.argsort(~is_child, axis=1, stable=True)[:, :tree_top_k]
         valid = jnp.take_along_axis(is_child, order, axis=1)
         chosen = jnp.full((b,), -1, jnp.int32)
-        for j in range(top_k):
+        for j in range(tree_top_k):
             child = order[:, j]
             token = tree.tokens[rows, child]
             trying = valid[:, j] & alive & (chosen < 0)
             p_token = p[rows, token]
-            u = jax.random.uniform(keys[level * top_k + j], (b,))
+            u = jax.random.uniform(keys[level * tree_top_k + j], (b,))
             ok = trying & (u < p_token)
             chosen = jnp.where(ok, child, chosen)
             rejected = trying & ~ok

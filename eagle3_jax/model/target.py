@@ -30,7 +30,7 @@ from flax import struct
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.layers import (apply_rope, attention, empty_kv, rms_norm, rope_inv_freq,
                                      write_kv)
-from eagle3_jax.model.params import Params, is_serving, to_serving_layer
+from eagle3_jax.model.params import Params, to_serving_layer
 
 
 @struct.dataclass
@@ -161,12 +161,12 @@ def forward(
     compute_logits: bool = True,
     cache_is_empty: bool = False,
 ) -> ForwardOutput:
-    """Run the target over T new tokens.
+    """Run the target, in the serving layout, over T new tokens.
 
     Args:
-      params: stacked (``param_specs``; the layers are scanned when there is no cache) or in
-        the serving layout (``to_serving``; a Python loop over per-layer weights, the fast form
-        for decoding: XLA CPU copies a layer's weights out of a stack on every step).
+      params: serving layout (``to_serving``: a tuple of per-layer fused weights, run as a
+        Python loop, the fast form for decoding; XLA CPU would copy a layer's weights out of a
+        stack on every step). Stacked params go to :func:`forward_stacked`.
       tokens: [B, T] int32 token ids.
       positions: [B, T] int32 RoPE positions.
       mask: [B, T, S] bool over cache slots (S = cache.max_len), or [B, T, T] without a cache.
@@ -181,62 +181,97 @@ def forward(
         time for long prompts.
     Returns:
       ForwardOutput with float32 logits, the updated cache, taps and the final hidden state.
+    Raises:
+      TypeError: ``params`` are in the stacked layout.
     """
-    dtype = jnp.dtype(cfg.dtype)
+    if not isinstance(params["layers"], (tuple, list)):
+        raise TypeError("forward() takes serving-layout params (eagle3_jax.model.to_serving); "
+                        "use forward_stacked() for the stacked training layout")
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    b, t = tokens.shape
-    h = jnp.take(params["embed"], tokens, axis=0).astype(dtype)  # [B, T, D]
+    t = tokens.shape[1]
+    h = _embed(params, cfg, tokens)
     tap_layers = tuple(tap_layers)
-
     if cache is None:
         new_mask = mask
     else:
         past_mask, new_mask = split_cache_mask(mask, cache.end, t)
+    taps, new_k, new_v = [None] * len(tap_layers), [], []
+    for index, p in enumerate(params["layers"]):
+        for j, tap in enumerate(tap_layers):
+            if index == tap:
+                taps[j] = h
+        past = None
+        if cache is not None and not cache_is_empty:
+            past = (cache.k[index], cache.v[index], past_mask)
+        h, k, v = _layer(p, cfg, h, positions, inv_freq, new_mask, past)
+        new_k.append(k)
+        new_v.append(v)
+    out = _finish(params, cfg, h, taps, logit_positions, compute_logits)
+    if cache is not None:
+        out = dataclasses.replace(out, cache=_write_cache(cache, new_k, new_v, after=out.hidden))
+    return out
 
-    if cache is None and not is_serving(params):
-        def layer(carry, xs):
-            h, taps = carry
-            p, index = xs
-            for j, tap in enumerate(tap_layers):
-                taps = taps.at[j].set(jnp.where(index == tap, h, taps[j]))
-            p = to_serving_layer(p, cfg)
-            h, _, _ = _layer(p, cfg, h, positions, inv_freq, new_mask, None)
-            return (h, taps), None
 
-        taps0 = jnp.zeros((len(tap_layers), b, t, cfg.hidden_size), dtype)
-        (h, taps), _ = jax.lax.scan(layer, (h, taps0),
-                                    (params["layers"], jnp.arange(cfg.num_layers)))
-        taps = [taps[j] for j in range(len(tap_layers))]
-        new_k = new_v = None
-    else:
-        layers = params["layers"]
-        if not is_serving(params):
-            layers = [to_serving_layer(jax.tree.map(lambda a, i=i: a[i], layers), cfg)
-                      for i in range(cfg.num_layers)]
-        taps, new_k, new_v = [None] * len(tap_layers), [], []
-        for index, p in enumerate(layers):
-            for j, tap in enumerate(tap_layers):
-                if index == tap:
-                    taps[j] = h
-            past = None
-            if cache is not None and not cache_is_empty:
-                past = (cache.k[index], cache.v[index], past_mask)
-            h, k, v = _layer(p, cfg, h, positions, inv_freq, new_mask, past)
-            new_k.append(k)
-            new_v.append(v)
+def forward_stacked(
+    params: Params,
+    cfg: TargetConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    mask: jax.Array,
+    *,
+    tap_layers: Sequence[int] = (),
+    logit_positions: jax.Array | None = None,
+    compute_logits: bool = True,
+) -> ForwardOutput:
+    """Run the target, in the stacked layout (``param_specs``), over T tokens without a cache.
+
+    The layers are a ``lax.scan`` over the stacked weights: one layer is traced and compiled
+    whatever the depth (training: online targets, TPU plans of 80-layer models). Arguments and
+    result as :func:`forward` (mask [B, T, T]; ``cache`` is None).
+
+    Raises:
+      TypeError: ``params`` are in the serving layout.
+    """
+    if isinstance(params["layers"], (tuple, list)):
+        raise TypeError("forward_stacked() takes stacked params (eagle3_jax.model.to_stacked); "
+                        "use forward() for the serving layout")
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    b, t = tokens.shape
+    h = _embed(params, cfg, tokens)
+    tap_layers = tuple(tap_layers)
+
+    def layer(carry, xs):
+        h, taps = carry
+        p, index = xs
+        for j, tap in enumerate(tap_layers):
+            taps = taps.at[j].set(jnp.where(index == tap, h, taps[j]))
+        h, _, _ = _layer(to_serving_layer(p, cfg), cfg, h, positions, inv_freq, mask, None)
+        return (h, taps), None
+
+    taps0 = jnp.zeros((len(tap_layers), b, t, cfg.hidden_size), h.dtype)
+    (h, taps), _ = jax.lax.scan(layer, (h, taps0), (params["layers"], jnp.arange(cfg.num_layers)))
+    return _finish(params, cfg, h, [taps[j] for j in range(len(tap_layers))], logit_positions,
+                   compute_logits)
+
+
+def _embed(params: Params, cfg: TargetConfig, tokens: jax.Array) -> jax.Array:
+    """tokens [B, T] -> embeddings [B, T, D] in the target's dtype."""
+    return jnp.take(params["embed"], tokens, axis=0).astype(jnp.dtype(cfg.dtype))
+
+
+def _finish(params: Params, cfg: TargetConfig, h: jax.Array, taps: list, logit_positions,
+            compute_logits: bool) -> ForwardOutput:
+    """The last layer's output h [B, T, D] -> ForwardOutput (no cache): final norm, logits at
+    ``logit_positions`` (or everywhere, or none), taps [B, T, len(taps) * D] (or None)."""
     hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-
     logits = None
     if compute_logits:
         head_in = hidden
         if logit_positions is not None:
             head_in = jnp.take_along_axis(hidden, logit_positions[:, :, None], axis=1)
         logits = output_logits(params, cfg, head_in)
-    new_cache = None
-    if cache is not None:
-        new_cache = _write_cache(cache, new_k, new_v, after=hidden)
-    tap_out = jnp.concatenate(taps, axis=-1) if tap_layers else None
-    return ForwardOutput(logits=logits, cache=new_cache, taps=tap_out, hidden=hidden)
+    tap_out = jnp.concatenate(taps, axis=-1) if taps else None
+    return ForwardOutput(logits=logits, cache=None, taps=tap_out, hidden=hidden)
 
 
 def prefill(params: Params, cfg: TargetConfig, tokens: jax.Array, lengths: jax.Array,

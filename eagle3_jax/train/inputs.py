@@ -32,7 +32,7 @@ from eagle3_jax.draft.params import VocabMap
 from eagle3_jax.draft.ttt import TTTBatch
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import Params
-from eagle3_jax.model.target import forward, packed_causal_mask
+from eagle3_jax.model.target import forward_stacked, packed_causal_mask
 
 __all__ = ["FeatureError", "FeatureInputs", "MakeInputs", "TargetInputs", "chunked_argmax",
            "features_ttt_batch", "labels_from_hidden", "offline_frozen", "target_head_rows",
@@ -129,9 +129,10 @@ def target_ttt_batch(target_params: Params, target_cfg: TargetConfig, draft_cfg:
                      vocab: VocabMap, batch: dict[str, jax.Array]) -> TTTBatch:
     """Run the frozen target on a data batch and build the TTT inputs.
 
+    target_params: stacked layout (``param_specs``; the layers are a ``lax.scan``).
     batch: tokens, loss_mask, segment_ids, positions, each [B, T].
     """
-    out = forward(target_params, target_cfg, batch["tokens"], batch["positions"],
+    out = forward_stacked(target_params, target_cfg, batch["tokens"], batch["positions"],
                   packed_causal_mask(batch["segment_ids"]), tap_layers=draft_cfg.tap_layers,
                   compute_logits=False)
     return _assemble(batch, out.taps, out.hidden, target_head_rows(target_params, target_cfg),

@@ -61,7 +61,7 @@ from eagle3_jax.draft.load import CHECKPOINT_DIR, METRICS_FILE, VOCAB_FILE
 from eagle3_jax.draft.params import VocabMap, draft_param_specs, init_draft_params
 from eagle3_jax.draft.ttt import STEP_WEIGHT_DECAY
 from eagle3_jax.model.config import ConfigError, TargetConfig
-from eagle3_jax.model.params import Params, init_params, param_specs
+from eagle3_jax.model.params import Params, init_params, param_specs, to_stacked
 from eagle3_jax.sharding import make_mesh, param_shardings
 from eagle3_jax.train.checkpointing import TrainCheckpointError, TrainCheckpointer, abstract_state
 from eagle3_jax.train.config import TrainConfig, check_paths
@@ -111,7 +111,8 @@ def load_frozen_target(cfg: TrainConfig, mesh: Mesh,
     from eagle3_jax.checkpoints import load_target
 
     loaded = load_target(cfg.target, mesh=mesh, mode=mode, dtype=cfg.dtype)
-    return loaded.cfg, loaded.params, loaded.source
+    # Training runs the target stacked (forward_stacked); serving rules load it per layer.
+    return loaded.cfg, to_stacked(loaded.params, loaded.cfg), loaded.source
 
 
 def _load_records(records: Any, path: str | None):
