@@ -301,3 +301,58 @@ def test_unknown_key_in_yaml_file(tmp_path):
     path.write_text("target: smollm2-135m\nbatch_sizes: 4\n")
     with pytest.raises(ConfigError, match=r"bad.yaml: unknown key\(s\) \['batch_sizes'\]"):
         load_train_config(path)
+
+
+def test_bfloat16_target_trains_float32_master_weights(tmp_path, records):
+    """A bfloat16 target (dtype: bfloat16) keeps the draft's master weights and AdamW moments in
+    float32 and computes in bfloat16: stored bfloat16 weights would drop every update below half
+    an ulp (lr 1e-4 on weights of order 0.3: an ulp there is 2e-3)."""
+    import orbax.checkpoint as ocp
+
+    base = tiny_target()
+    cfg16 = base.cfg.replace(dtype="bfloat16")
+    target16 = TargetOverride(cfg16, jax.tree.map(lambda x: x.astype("bfloat16"), base.params))
+    out = tmp_path / "bf16"
+    result = train(run_config(out, dtype="bfloat16", total_steps=3, save_every=3, eval_every=3,
+                              optimizer=OptimizerConfig(learning_rate=1e-4, warmup_steps=1)),
+                   target_override=target16, train_records=records)
+    assert np.all(np.isfinite(result["losses"]))
+    meta = ocp.PyTreeCheckpointer().metadata(out / "checkpoints" / "3" / "state")
+    tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta.tree
+    dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(tree["params"])}
+    assert dtypes == {"float32"}, dtypes
+    moments = [leaf for leaf in jax.tree.leaves(tree["opt_state"]) if leaf.shape]
+    assert moments and {str(m.dtype) for m in moments} == {"float32"}
+
+
+def test_small_updates_survive_in_float32_master_weights():
+    """The reason for the above: the same AdamW step from the same start changes nearly every
+    weight when the master copy is float32 and almost none when it is bfloat16."""
+    from eagle3_jax.draft.config import DraftConfig
+    from eagle3_jax.draft.params import VocabMap, init_draft_params
+    from eagle3_jax.draft.ttt import TTTBatch
+    from eagle3_jax.train.step import train_step
+
+    cfg = tiny_target().cfg
+    keys = jax.random.split(jax.random.key(0), 4)
+    b, t = 2, 12
+    ttt = TTTBatch(tokens=jax.random.randint(keys[0], (b, t), 0, V),
+                   taps=jax.random.normal(keys[1], (b, t, 3 * cfg.hidden_size)),
+                   target_logp=jax.nn.log_softmax(jax.random.normal(keys[2], (b, t, V))),
+                   target_in_draft=np.ones((b, t), bool), loss_mask=np.ones((b, t), bool),
+                   segment_ids=np.ones((b, t), np.int32),
+                   positions=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)))
+    batch = {"tokens": np.asarray(ttt.tokens)[None]}
+    embed = jax.random.normal(keys[3], (V, cfg.hidden_size))
+    optimizer = optax.adamw(1e-4)
+    changed = {}
+    for master in ("float32", "bfloat16"):
+        dcfg = DraftConfig.for_target(cfg, draft_vocab_size=V, ttt_steps=2, dtype=master)
+        params = init_draft_params(dcfg, jax.random.key(1), scale=0.3)
+        state = TrainState.create(params, optimizer, jax.random.key(2))
+        new, _ = train_step(state, {"embed": embed}, VocabMap.identity(V), batch,
+                            make_inputs=lambda frozen, vocab, micro: ttt, draft_cfg=dcfg,
+                            optimizer=optimizer, compute_dtype="bfloat16")
+        w0, w1 = np.asarray(params["fc"], np.float32), np.asarray(new.params["fc"], np.float32)
+        changed[master] = float(np.mean(w0 != w1))
+    assert changed["float32"] > 0.9 and changed["bfloat16"] < 0.2, changed

@@ -39,8 +39,13 @@ def _setup(steps=4, kv_heads=2, seed=0):
     return cfg, params, embed, batch
 
 
-def _unrolled_reference(params, cfg, embed, batch):
-    """Python loop, keys concatenated step by step as the PyTorch reference caches them."""
+def _unrolled_reference(params, cfg, embed, batch, loss_mask="predicted"):
+    """Python loop, keys concatenated step by step as the PyTorch reference caches them.
+
+    The loss at step i, index t scores the label l_{t+1+i} (the prediction of x_{t+2+i}) with
+    the mask of that predicted token, m_{t+2+i} ("predicted"), or with m_{t+i} ("reference").
+    """
+    offset = {"predicted": 2, "reference": 0}[loss_mask]
     k_steps = cfg.ttt_steps
     tokens, seg = np.asarray(batch.tokens), np.asarray(batch.segment_ids)
     g = fuse_taps(params, batch.taps)
@@ -67,21 +72,24 @@ def _unrolled_reference(params, cfg, embed, batch):
             out[:, : max(T - by, 0)] = x[:, by:]
             return out
         label = shift(np.asarray(batch.target_logp), i + 1, 0.0)
-        w = (shift(np.asarray(batch.loss_mask), i, False)
+        w = (shift(np.asarray(batch.loss_mask), i + offset, False)
              & shift(np.asarray(batch.target_in_draft), i + 1, False)
-             & (shift(seg, i + 1, 0) == seg) & (seg > 0)).astype(np.float32)
+             & (shift(seg, i + 1, 0) == seg) & (shift(seg, i + offset, 0) == seg)
+             & (seg > 0)).astype(np.float32)
         per_pos = -jnp.sum(np.exp(label) * jax.nn.log_softmax(logits), -1)
         losses.append(jnp.sum(per_pos * w) / max(w.sum(), 1.0))
     total = sum(STEP_WEIGHT_DECAY ** i * l for i, l in enumerate(losses))
     return total, jnp.stack(losses), jnp.stack(logits_all)
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2, 4])
-def test_scan_equals_unrolled_reference(kv_heads):
+@pytest.mark.parametrize("kv_heads,loss_mask", [(1, "predicted"), (2, "predicted"),
+                                                (4, "predicted"), (2, "reference")])
+def test_scan_equals_unrolled_reference(kv_heads, loss_mask):
     cfg, params, embed, batch = _setup(kv_heads=kv_heads)
-    loss, metrics = jax.jit(lambda p, b: ttt_forward(p, cfg, embed, b, return_logits=True))(
-        params, batch)
-    ref_total, ref_losses, ref_logits = _unrolled_reference(params, cfg, embed, batch)
+    loss, metrics = jax.jit(lambda p, b: ttt_forward(p, cfg, embed, b, return_logits=True,
+                                                     loss_mask=loss_mask))(params, batch)
+    ref_total, ref_losses, ref_logits = _unrolled_reference(params, cfg, embed, batch,
+                                                            loss_mask)
     valid = np.asarray(batch.segment_ids) > 0  # padded queries see nothing: their output is unused
     np.testing.assert_allclose(np.asarray(metrics["logits"])[:, valid],
                                np.asarray(ref_logits)[:, valid], atol=2e-5, rtol=1e-5)
@@ -134,8 +142,35 @@ def test_training_logits_equal_inference_step_by_step():
 
 def test_padding_and_documents_are_not_scored():
     cfg, params, embed, batch = _setup(steps=2)
-    _, metrics = ttt_forward(params, cfg, embed, batch)
+    _, metrics = ttt_forward(params, cfg, embed, batch, loss_mask="reference")
     w0 = (np.asarray(batch.loss_mask)[:, :-1] & np.asarray(batch.target_in_draft)[:, 1:]
           & (np.asarray(batch.segment_ids)[:, 1:] == np.asarray(batch.segment_ids)[:, :-1])
           & (np.asarray(batch.segment_ids)[:, :-1] > 0))
     assert float(metrics["weight_per_step"][0]) == w0.sum()
+
+
+@pytest.mark.parametrize("loss_mask", ["predicted", "reference"])
+def test_each_step_scores_the_answer_tokens_it_predicts(loss_mask):
+    """One conversation packed before a second: prompt x_0..x_3, answer x_4..x_7 (loss mask
+    on), then the next document. Step i at index t predicts x_{t+2+i}: with "predicted" exactly
+    the predictions of answer tokens are scored, from the answer's first token to its last;
+    "reference" (m_{t+i}) skips the answer's first two tokens and scores past its end."""
+    cfg, params, embed, batch = _setup(steps=3)
+    answer = range(4, 8)
+    seg = np.ones((B, T), np.int32)
+    seg[:, 8:] = 2  # a second document starts at x_8 (it has no answer)
+    mask = np.zeros((B, T), bool)
+    mask[:, list(answer)] = True
+    batch = batch.replace(loss_mask=jnp.asarray(mask), segment_ids=jnp.asarray(seg),
+                          target_in_draft=jnp.ones((B, T), bool))
+    _, metrics = ttt_forward(params, cfg, embed, batch, loss_mask=loss_mask)
+    for i in range(cfg.ttt_steps):
+        # Indices t whose step-i prediction is of x_{t+2+i} (inside document 1: t+1+i <= 7).
+        if loss_mask == "predicted":
+            scored = [t for t in range(T) if t + 2 + i in answer]
+            assert [t + 2 + i for t in scored] == list(answer)  # every answer token
+        else:
+            scored = [t for t in range(T) if t + i in answer and t + 1 + i <= 7]
+            # Skips the answer's first two tokens and predicts x_8, past the answer's end.
+            assert [t + 2 + i for t in scored] == [6, 7, 8]
+        assert float(metrics["weight_per_step"][i]) == B * len(scored), (loss_mask, i)

@@ -5,8 +5,14 @@ x_{p+1}) and loss mask m_p (assistant tokens). At step i and index t the draft r
 
     feature  fc(f_t) at i = 0, else its own step i-1 output at index t
     token    x_{t+1+i}                      position  t + i
-    label    softmax(l_{t+1+i}) restricted to the draft vocabulary
-    weight   m_{t+i} * t2d[argmax l_{t+1+i}]  (as the reference masks it; zero past the row end)
+    label    softmax(l_{t+1+i}) restricted to the draft vocabulary: the prediction of x_{t+2+i}
+    weight   m_{t+2+i} * t2d[argmax l_{t+1+i}]  (zero past the row end or the document)
+
+The weight marks the token being predicted (``loss_mask="predicted"``, the default): every
+assistant token is scored, from the first. ``loss_mask="reference"`` reads m_{t+i} instead, as the
+reference's training forward does (its data preparation moves the mask to compensate; on our
+mask it skips the first two tokens of every answer and scores the two after its end), for
+like-for-like comparisons with it.
 
 and attends to the step-0 keys of indices s <= t (same segment) plus, for j = 1..i, the step-j
 key at its own index t ("the diagonal"): exactly what a depth-i tree node sees at inference,
@@ -26,6 +32,8 @@ from eagle3_jax.draft.model import draft_logits, finish_layer, fuse_taps, projec
 from eagle3_jax.model.params import Params
 
 STEP_WEIGHT_DECAY = 0.8
+# loss_mask alignment -> offset of the mask read at step i, index t: m_{t + offset + i}.
+LOSS_MASK_OFFSETS = {"predicted": 2, "reference": 0}
 
 
 @struct.dataclass
@@ -57,18 +65,24 @@ def ttt_forward(
     batch: TTTBatch,
     *,
     return_logits: bool = False,
+    loss_mask: str = "predicted",
 ):
     """Run K = cfg.ttt_steps draft steps over a batch.
+
+    ``loss_mask``: "predicted" or "reference", which mask position weighs a step (module doc).
 
     Returns:
       (loss scalar, metrics dict with ``loss_per_step`` [K], ``acc_per_step`` [K],
       ``weight_per_step`` [K] (number of scored positions), and ``logits`` [K, B, T, Vd] when
       ``return_logits``).
     """
+    if loss_mask not in LOSS_MASK_OFFSETS:
+        raise ValueError(f"loss_mask must be one of {sorted(LOSS_MASK_OFFSETS)}, got {loss_mask!r}")
+    mask_offset = LOSS_MASK_OFFSETS[loss_mask]
     k_steps = cfg.ttt_steps
     b, t = batch.tokens.shape
-    # Pad the sequence axis by K so index t + 1 + i is always in range; padding is segment 0.
-    padded = lambda x, fill: jnp.pad(x, [(0, 0), (0, k_steps + 1)] + [(0, 0)] * (x.ndim - 2),
+    # Pad the sequence axis by K + 1 so index t + 2 + i is always in range; padding is segment 0.
+    padded = lambda x, fill: jnp.pad(x, [(0, 0), (0, k_steps + 2)] + [(0, 0)] * (x.ndim - 2),
                                      constant_values=fill)
     tokens_p = padded(batch.tokens, 0)
     seg_p = padded(batch.segment_ids, 0)
@@ -113,10 +127,11 @@ def ttt_forward(
         h = finish_layer(params, cfg, g, attn)
         logits = draft_logits(params, cfg, h)  # [B, T, Vd]
 
-        # Labels: the target at x_{t+1+i}, scored where the reference scores it.
+        # Labels: the target at x_{t+1+i} (predicting x_{t+2+i}), weighed by the loss mask.
         label_logp = shifted(logp_p, i + 1)
-        same_doc = shifted(seg_p, i + 1) == seg
-        weight = (shifted(loss_mask_p, i) & shifted(in_draft_p, i + 1) & same_doc
+        same_doc = ((shifted(seg_p, i + 1) == seg)
+                    & (shifted(seg_p, i + mask_offset) == seg))
+        weight = (shifted(loss_mask_p, i + mask_offset) & shifted(in_draft_p, i + 1) & same_doc
                   & (seg > 0)).astype(jnp.float32)
         logq = jax.nn.log_softmax(logits, axis=-1)
         per_pos = -jnp.sum(jnp.exp(label_logp) * logq, axis=-1)  # [B, T]

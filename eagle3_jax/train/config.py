@@ -109,8 +109,9 @@ class TrainConfig:
     eval_every: int = 500
     eval_batches: int = 8
     log_every: int = 10
-    dtype: str = "float32"  # parameter dtype of the target and the draft
-    compute_dtype: str | None = None  # draft compute dtype; None = dtype
+    dtype: str = "float32"  # the target's parameter dtype (the draft's master weights: float32)
+    compute_dtype: str | None = None  # the draft's compute dtype; None = dtype
+    loss_mask: str = "predicted"  # "predicted" or "reference" (eagle3_jax.draft.ttt)
     progress: bool = True  # tqdm progress bar
 
     def __post_init__(self):
@@ -129,6 +130,10 @@ class TrainConfig:
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"train config: eval_fraction must be in [0, 1), "
                               f"got {self.eval_fraction!r}")
+        if self.loss_mask not in ("predicted", "reference"):
+            raise ConfigError("train config: loss_mask must be 'predicted' (the mask of the "
+                              "token each step predicts) or 'reference' (the reference "
+                              f"implementation's alignment), got {self.loss_mask!r}")
         if self.target_sharding not in ("serving", "training"):
             raise ConfigError("train config: target_sharding must be 'serving' or 'training', "
                               f"got {self.target_sharding!r}")
@@ -156,6 +161,11 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.grad_accum * self.max_len
+
+    @property
+    def draft_compute_dtype(self) -> str:
+        """The dtype the draft computes in: compute_dtype, else the target's dtype."""
+        return self.compute_dtype or self.dtype
 
     def replace(self, **changes: Any) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

@@ -65,6 +65,10 @@ from eagle3_jax.model.params import Params, init_params, param_specs, to_stacked
 from eagle3_jax.sharding import make_mesh, param_shardings
 from eagle3_jax.train.checkpointing import TrainCheckpointError, TrainCheckpointer, abstract_state
 from eagle3_jax.train.config import TrainConfig, check_paths
+
+# The draft's master weights and optimiser moments, whatever the target's dtype: in bfloat16 an
+# AdamW update below half an ulp of the weight (lr 1e-4 on weights of order 1) rounds to nothing.
+MASTER_DTYPE = "float32"
 from eagle3_jax.train.inputs import FeatureInputs, TargetInputs, offline_frozen
 from eagle3_jax.train.metrics import MetricsWriter, plot_accuracy, read_metrics
 from eagle3_jax.train.step import TrainState, eval_step, train_step
@@ -385,7 +389,7 @@ def _setup(cfg: TrainConfig, target_override: TargetOverride | None = None,
         check_features(features, tcfg, tcfg.eagle3_tap_layers)
     vocab = resolve_vocab(cfg, tcfg, out_dir, train_records)
     draft_cfg = DraftConfig.for_target(tcfg, draft_vocab_size=int(vocab.d2t.shape[0]),
-                                       ttt_steps=cfg.ttt_steps, dtype=cfg.dtype)
+                                       ttt_steps=cfg.ttt_steps, dtype=MASTER_DTYPE)
     if features is not None:
         assert draft_cfg.tap_layers == tuple(tcfg.eagle3_tap_layers)
         # Only the embedding table and output head; dropping the rest frees the target.
@@ -418,11 +422,13 @@ def _setup(cfg: TrainConfig, target_override: TargetOverride | None = None,
 
     step_fn = jax.jit(
         functools.partial(train_step, make_inputs=make_inputs, draft_cfg=draft_cfg,
-                          optimizer=optimizer, compute_dtype=cfg.compute_dtype),
+                          optimizer=optimizer, compute_dtype=cfg.draft_compute_dtype,
+                          loss_mask=cfg.loss_mask),
         in_shardings=(state_sh, frozen_sh, replicated, batch_sh),
         out_shardings=(state_sh, replicated), donate_argnums=(0,))
     eval_fn = jax.jit(
-        functools.partial(eval_step, make_inputs=make_inputs, draft_cfg=draft_cfg),
+        functools.partial(eval_step, make_inputs=make_inputs, draft_cfg=draft_cfg,
+                          compute_dtype=cfg.draft_compute_dtype, loss_mask=cfg.loss_mask),
         in_shardings=(state_sh.params, frozen_sh, replicated, eval_batch_sh),
         out_shardings=replicated)
     run = TrainSetup(cfg=cfg, out_dir=out_dir, draft_cfg=draft_cfg, frozen=frozen, vocab=vocab,

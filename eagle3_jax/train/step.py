@@ -39,12 +39,15 @@ class TrainState:
 def train_step(state: TrainState, frozen: Params, vocab: VocabMap,
                batch: dict[str, jax.Array], *, make_inputs: MakeInputs,
                draft_cfg: DraftConfig, optimizer: optax.GradientTransformation,
-               compute_dtype: str | None = None):
+               compute_dtype: str | None = None, loss_mask: str = "predicted"):
     """One optimiser step over ``batch`` of shape [A, B, T, ...] (A micro-batches accumulated).
 
     Args:
       frozen: frozen target arrays holding ``"embed"``, read by ``make_inputs`` (module doc).
       make_inputs: static; builds each micro-batch's TTTBatch (TargetInputs / FeatureInputs).
+      compute_dtype: the dtype the draft computes in (params are cast to it for the forward;
+        the master params and the optimiser moments keep theirs, float32 in training).
+      loss_mask: "predicted" or "reference" (``eagle3_jax.draft.ttt``).
     Returns (new_state, metrics) with the weighted loss and per-step loss / accuracy averaged
     over micro-batches.
     """
@@ -54,7 +57,7 @@ def train_step(state: TrainState, frozen: Params, vocab: VocabMap,
     def micro_loss(params, micro):
         ttt = make_inputs(frozen, vocab, micro)
         cast = jax.tree.map(lambda x: x.astype(dtype), params)
-        return ttt_forward(cast, draft_cfg, embed, ttt)
+        return ttt_forward(cast, draft_cfg, embed, ttt, loss_mask=loss_mask)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -83,9 +86,12 @@ def train_step(state: TrainState, frozen: Params, vocab: VocabMap,
 
 
 def eval_step(params: Params, frozen: Params, vocab: VocabMap, batch: dict[str, jax.Array],
-              *, make_inputs: MakeInputs, draft_cfg: DraftConfig):
+              *, make_inputs: MakeInputs, draft_cfg: DraftConfig,
+              compute_dtype: str | None = None, loss_mask: str = "predicted"):
     """Held-out loss and per-step accuracy on one [B, T, ...] batch (no update)."""
     ttt = make_inputs(frozen, vocab, batch)
-    loss, metrics = ttt_forward(params, draft_cfg, frozen["embed"], ttt)
+    dtype = jnp.dtype(compute_dtype or draft_cfg.dtype)
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    loss, metrics = ttt_forward(params, draft_cfg, frozen["embed"], ttt, loss_mask=loss_mask)
     metrics["loss"] = loss
     return metrics
