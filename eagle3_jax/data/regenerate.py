@@ -5,11 +5,12 @@ conversation, every assistant turn is regenerated from the conversation so far (
 as given, the earlier assistant turns as regenerated), rendered by the target's chat template
 with the generation prompt. Greedy by default, or sampled.
 
-Batching: ``batch_size`` conversations advance together, one turn index at a time (turn k of
-every conversation in the batch that has one), through one jitted :func:`generate` call per
-turn. Prompts are right-padded to a power-of-two length bucket and the batch is always padded
-to ``batch_size`` rows (padding rows generate nothing), so the number of compilations grows
-only with the number of length buckets.
+Batching: ``batch_size`` rows decode together and a row that finishes is refilled at once
+with the next prompt (:class:`~eagle3_jax.decoding.continuous.ContinuousDecoder`), so no row
+idles while the longest answer of a batch finishes. A conversation's next turn (its prompt holds
+the answer just generated) goes to the front of the queue, so conversations finish, and are
+written, one after another rather than all at the end. Each answer equals plain greedy decoding
+of its prompt alone.
 
 Long prompts: a turn whose prompt exceeds ``max_prompt_len`` tokens is *not* cut from the left
 (that would drop the system prompt and the template's opening, showing the target a prompt it
@@ -20,7 +21,8 @@ the reason, so a resumed run does not try it again).
 Output (``out_dir``)::
 
     regenerated-00000.jsonl ...  one {id, conversations, regenerated_by} per line, appended and
-                                 flushed as each batch completes (``shard_size`` lines a file)
+                                 flushed as each conversation completes (in finishing order;
+                                 ``shard_size`` lines a file)
     skipped.jsonl                {id, reason} of conversations left out
     conversations.jsonl          when every requested conversation is done: all shards merged
                                  in input order, so ``vocab --data OUT_DIR`` reads it unchanged
@@ -33,6 +35,7 @@ samples different (equally valid) answers than an uninterrupted one would have.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -242,7 +245,8 @@ def regenerate_conversations(
     """
     import jax
 
-    from eagle3_jax.decoding import GREEDY, generate, pad_prompts
+    from eagle3_jax.decoding import GREEDY
+    from eagle3_jax.decoding.continuous import ContinuousDecoder
 
     sampling = GREEDY if sampling is None else sampling
     cfg, tok = target.cfg, target.tokenizer
@@ -276,57 +280,64 @@ def regenerate_conversations(
         bar = tqdm(total=len(conversations), initial=stats.already_done, desc="regenerating",
                    unit=" conv", dynamic_ncols=True)
     appender = _Appender(out_dir, state, shard_size)
-    key = jax.random.PRNGKey(seed)
-    calls = 0
+    decoder = ContinuousDecoder(target.params, cfg, slots=batch_size,
+                                max_new_tokens=max_new_tokens, max_prompt_len=max_prompt_len,
+                                sampling=sampling, eos_token_ids=tok.eos_token_ids,
+                                pad_id=tok.pad_token_id)
+
+    def next_prompt(c: _Conversation):
+        """The prompt of ``c``'s next turn, or None when ``c`` is finished (written out)."""
+        turn = sum(m["role"] == "assistant" for m in c.messages)
+        if turn < len(c.users):
+            c.messages.append({"role": "user", "content": c.users[turn]})
+            prompt = tok.apply_chat_template(c.messages, add_generation_prompt=True)
+            if len(prompt) <= max_prompt_len:
+                return prompt
+            c.messages.pop()
+            c.stopped = f"turn {turn + 1} prompt has {len(prompt)} tokens > max_prompt_len " \
+                        f"{max_prompt_len}"
+        if turn:
+            appender.write([{"id": c.id, "conversations": c.messages,
+                             "regenerated_by": target.source}])
+            stats.regenerated += 1
+        else:
+            _append_skipped(out_dir, [(c.id, c.stopped or "no user turn to answer")])
+            stats.skipped += 1
+        if bar is not None:
+            stats.seconds = time.perf_counter() - start
+            bar.set_postfix_str(f"{stats.tokens_per_second:.1f} tok/s", refresh=False)
+            bar.update(1)
+        return None
+
+    def feed(queue: collections.deque, items, front: bool) -> None:
+        for c in items:
+            prompt = next_prompt(c)
+            if prompt is not None:
+                (queue.appendleft if front else queue.append)((c, prompt))
+                return
+
     start = time.perf_counter()
     try:
-        for b in range(0, len(pending), batch_size):
-            batch = [_plan(c, cid, max_turns) for cid, c in pending[b:b + batch_size]]
-            for turn in range(max(len(c.users) for c in batch)):
-                live = [c for c in batch if turn < len(c.users) and c.stopped is None]
-                prompts = []
-                for c in list(live):
-                    c.messages.append({"role": "user", "content": c.users[turn]})
-                    prompt = tok.apply_chat_template(c.messages, add_generation_prompt=True)
-                    if len(prompt) > max_prompt_len:
-                        c.messages.pop()
-                        c.stopped = f"turn {turn + 1} prompt has {len(prompt)} tokens " \
-                                    f"> max_prompt_len {max_prompt_len}"
-                        live.remove(c)
-                    else:
-                        prompts.append(prompt)
-                if not live:
-                    continue
-                padded = pad_prompts(prompts, pad_id=tok.pad_token_id, max_length=max_prompt_len,
-                                     pad_batch=False)
-                # Always batch_size rows: one compilation per length bucket, not per batch size.
-                rows = batch_size - len(prompts)
-                tokens = np.pad(padded.tokens, [(0, rows), (0, 0)],
-                                constant_values=tok.pad_token_id)
-                lengths = np.pad(padded.lengths, [(0, rows)])
-                out = generate(target.params, cfg, tokens, lengths, max_new_tokens=max_new_tokens,
-                               sampling=sampling, key=jax.random.fold_in(key, calls),
-                               eos_token_ids=tok.eos_token_ids)
-                calls += 1
-                gen, count, hit_eos = jax.device_get((out.tokens, out.num_generated, out.hit_eos))
-                for i, c in enumerate(live):
-                    answer = tok.decode(gen[i, :count[i]])
-                    c.messages.append({"role": "assistant", "content": answer})
-                    stats.answers += 1
-                    stats.new_tokens += int(count[i])
-                    stats.cut_at_max_tokens += int(not hit_eos[i])
-            done = [c for c in batch if any(m["role"] == "assistant" for m in c.messages)]
-            skipped = [c for c in batch if c not in done]
-            appender.write({"id": c.id, "conversations": c.messages,
-                            "regenerated_by": target.source} for c in done)
-            _append_skipped(out_dir, [(c.id, c.stopped or "no user turn to answer")
-                                      for c in skipped])
-            stats.regenerated += len(done)
-            stats.skipped += len(skipped)
-            if bar is not None:
-                stats.seconds = time.perf_counter() - start
-                bar.set_postfix_str(f"{stats.tokens_per_second:.1f} tok/s", refresh=False)
-                bar.update(len(batch))
+        conversations_left = iter([_plan(c, cid, max_turns) for cid, c in pending])
+        queue: collections.deque = collections.deque()
+        # Keep a few prompts queued ahead; a conversation's next turn goes to the front, so it
+        # finishes (and is written) soon after its first answer.
+        for _ in range(batch_size):
+            feed(queue, conversations_left, front=False)
+        for finished in decoder.run(queue, jax.random.PRNGKey(seed)):
+            c = finished.job
+            c.messages.append({"role": "assistant", "content": tok.decode(finished.tokens)})
+            stats.answers += 1
+            stats.new_tokens += len(finished.tokens)
+            stats.cut_at_max_tokens += int(not finished.hit_eos)
+            prompt = next_prompt(c)
+            if prompt is not None:
+                queue.appendleft((c, prompt))
+            while len(queue) < batch_size:
+                before = len(queue)
+                feed(queue, conversations_left, front=False)
+                if len(queue) == before:
+                    break
     finally:
         appender.close()
         if bar is not None:
