@@ -43,7 +43,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-
 from eagle3_jax.data.sources import CONVERSATIONS_FILE, DataError, read_conversations, write_jsonl
 
 SHARD_PATTERN = "regenerated-{:05d}.jsonl"
