@@ -47,10 +47,13 @@ def _an_eos(params, prompts):
 
 def test_every_answer_equals_its_prompt_decoded_alone(params):
     prompts = _prompts()
+    prompts = [min(prompts, key=len)] + prompts  # the cache grows while rows are live
     eos = (_an_eos(params, prompts),)
     decoder = ContinuousDecoder(params, CFG, slots=3, max_new_tokens=N, max_prompt_len=48,
                                 eos_token_ids=eos, steps_per_call=5)
+    first_cache = decoder._cache_len(len(prompts[0]))
     got = {f.job: f for f in decoder.run(enumerate(prompts))}
+    assert decoder.spec.max_len > first_cache
     assert sorted(got) == list(range(len(prompts)))
     lengths = set()
     for i, p in enumerate(prompts):

@@ -316,7 +316,11 @@ def regenerate_conversations(
 
     start = time.perf_counter()
     try:
-        conversations_left = iter([_plan(c, cid, max_turns) for cid, c in pending])
+        # Shortest first prompts first: the decoder's cache grows only as prompts get longer.
+        plans = sorted((_plan(c, cid, max_turns) for cid, c in pending),
+                       key=lambda c: sum(len(m["content"]) for m in c.messages)
+                       + len(c.users[0] if c.users else ""))
+        conversations_left = iter(plans)
         queue: collections.deque = collections.deque()
         # Keep a few prompts queued ahead; a conversation's next turn goes to the front, so it
         # finishes (and is written) soon after its first answer.

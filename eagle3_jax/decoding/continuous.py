@@ -14,7 +14,13 @@ wastes most of the batch. :class:`ContinuousDecoder` keeps ``slots`` rows busy i
 A row's tokens are the tokens plain greedy decoding of that prompt alone gives (tested): each
 row attends only to its own cache row, and its positions start at 0. A row that finishes inside
 a call waits at most ``steps_per_call - 1`` steps for its slot to be refilled. Prompts are padded
-to a power-of-two bucket, so ``insert`` compiles once per bucket and ``advance`` once.
+to a power-of-two bucket, so ``insert`` compiles once per bucket.
+
+The KV cache is as long as the longest prompt so far needs (``bucket(prompt + N)`` slots) and
+grows, by padding, when a longer one arrives: every step reads every slot of every row, so at
+16 rows a 4096-slot cache costs twice a 1024-slot one. Feed prompts shortest first (as
+``data regenerate`` does) and the cache grows only when it must; ``advance`` compiles once per
+cache size.
 
 With sampling, every row draws from the stream ``fold_in(key, call index)``: valid samples, but
 not the ones :func:`~eagle3_jax.decoding.generate` would draw for the same key.
@@ -109,9 +115,24 @@ class ContinuousDecoder:
         self.params, self.cfg = params, cfg
         self.slots, self.steps_per_call, self.pad_id = slots, steps_per_call, pad_id
         self.max_prompt_len = max_prompt_len
-        max_len = min(bucket(max_prompt_len + max_new_tokens, 16, context), context)
-        self.spec = PlainDecoding(cfg, int(max_new_tokens), max_len, sampling,
-                                  eos_tuple(eos_token_ids))
+        self.spec = PlainDecoding(cfg, int(max_new_tokens), 0, sampling, eos_tuple(eos_token_ids))
+        self.spec = dataclasses.replace(self.spec, max_len=self._cache_len(1))
+
+    def _cache_len(self, prompt_len: int) -> int:
+        """Cache slots a prompt of ``prompt_len`` tokens needs: room for N more, bucketed."""
+        context = self.cfg.max_position_embeddings
+        return min(bucket(prompt_len + self.spec.max_new_tokens, 16, context), context)
+
+    def _grow(self, state: DecodeState, max_len: int) -> DecodeState:
+        """``state`` with its cache padded to ``max_len`` slots (the new slots hold nothing)."""
+        extra = max_len - state.cache.max_len
+        pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0)  # noqa: E731
+                                          for a in range(x.ndim)])
+        self.spec = dataclasses.replace(self.spec, max_len=max_len)
+        cache = KVCache(k=tuple(pad(k, 3) for k in state.cache.k),  # [B, K, H, S]
+                        v=tuple(pad(v, 2) for v in state.cache.v),  # [B, K, S, H]
+                        end=state.cache.end)
+        return dataclasses.replace(state, cache=cache)
 
     def _empty_state(self) -> DecodeState:
         b, spec = self.slots, self.spec
@@ -162,6 +183,8 @@ class ContinuousDecoder:
         if n < 1 or n > self.max_prompt_len:
             raise GenerationError(f"prompt of {n} tokens: prompts must have 1 to "
                                   f"max_prompt_len={self.max_prompt_len} tokens")
+        if self._cache_len(n) > state.cache.max_len:
+            state = self._grow(state, self._cache_len(n))
         width = min(bucket(n, 16, self.max_prompt_len), self.max_prompt_len)
         tokens = np.full((1, width), self.pad_id, np.int32)
         tokens[0, :n] = prompt
