@@ -32,8 +32,11 @@ def _prompts(count=9, seed=0):
 
 
 def _alone(params, prompt, eos):
-    out = generate(params, CFG, np.asarray([prompt]), np.asarray([len(prompt)]),
-                   max_new_tokens=N, eos_token_ids=eos)
+    """Plain greedy decoding of ``prompt`` as a batch of one (padded to 48: one compilation)."""
+    tokens = np.zeros((1, 48), np.int32)
+    tokens[0, :len(prompt)] = prompt
+    out = generate(params, CFG, tokens, np.asarray([len(prompt)]), max_new_tokens=N,
+                   eos_token_ids=eos)
     return np.asarray(out.tokens[0, :int(out.num_generated[0])]).tolist(), bool(out.hit_eos[0])
 
 
@@ -78,8 +81,10 @@ def test_prompts_added_while_running_are_served(params):
             queue.append(((i, 1), prompts[i] + f.tokens + [5, 6]))
     assert sorted(answers) == sorted((i, t) for i in range(4) for t in (0, 1))
     for i, p in enumerate(prompts):
-        out = generate(params, CFG, np.asarray([p + answers[i, 0] + [5, 6]]),
-                       np.asarray([len(p) + len(answers[i, 0]) + 2]), max_new_tokens=8)
+        second = p + answers[i, 0] + [5, 6]
+        tokens = np.zeros((1, 64), np.int32)
+        tokens[0, :len(second)] = second
+        out = generate(params, CFG, tokens, np.asarray([len(second)]), max_new_tokens=8)
         assert answers[i, 1] == np.asarray(out.tokens[0]).tolist()
 
 
