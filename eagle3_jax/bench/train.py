@@ -41,11 +41,8 @@ def main(argv=None) -> int:
     from eagle3_jax.train.config import OptimizerConfig
     from eagle3_jax.train.step import TrainState, train_step
 
-    from eagle3_jax.model.params import to_stacked
-
-    loaded = load_target(args.target)
-    tcfg = loaded.cfg
-    params = to_stacked(loaded.params, tcfg)  # training runs the target stacked
+    loaded = load_target(args.target, layout="stacked")  # training runs the target stacked
+    tcfg, params = loaded.cfg, loaded.params
     dcfg = DraftConfig.for_target(tcfg, draft_vocab_size=args.draft_vocab_size,
                                   ttt_steps=args.ttt_steps)
     # Which ids form the draft vocabulary does not change the cost.

@@ -70,6 +70,7 @@ def load_target(
     mode: str = "serving",
     dtype: str | None = None,
     weights_cache: bool = True,
+    layout: str | None = None,
 ) -> LoadedTarget:
     """Load a target model and its tokenizer onto ``mesh``.
 
@@ -77,11 +78,13 @@ def load_target(
       target: None (the ``smollm2-135m`` preset), a preset name, an HF checkpoint folder, or a
         ``.gguf`` file.
       mesh: device mesh; None -> a single-device mesh on ``jax.devices()[0]``.
-      mode: sharding rules, "serving" or "training". Serving params come in the serving layout
-        (``eagle3_jax.model.to_serving``: per-layer, fused, the fast form for decoding);
-        training params keep the stacked layout for ``lax.scan``.
+      mode: sharding rules, "serving" or "training".
+      layout: "serving" (``eagle3_jax.model.to_serving``: per-layer, fused, the fast form for
+        decoding, :func:`~eagle3_jax.model.forward`) or "stacked" (``lax.scan`` over the layers,
+        :func:`~eagle3_jax.model.forward_stacked`, what training runs); None: serving for
+        serving rules, stacked for training rules.
       dtype: parameter dtype; None -> the preset's, else the checkpoint's (float32 for GGUF).
-      weights_cache: serving params are read from / written to the serving-weights cache
+      weights_cache: serving-layout params are read from / written to the serving-weights cache
         (:mod:`eagle3_jax.checkpoints.weights_cache`; ``EAGLE3_JAX_WEIGHTS_CACHE=0`` turns it
         off everywhere).
     Raises:
@@ -92,7 +95,11 @@ def load_target(
     source = _resolve(target)
     if dtype is None and source.preset is not None:
         dtype = source.preset.target.dtype
-    use_cache = mode == "serving" and weights_cache and cached_weights.enabled()
+    layout = layout or ("serving" if mode == "serving" else "stacked")
+    if layout not in ("serving", "stacked"):
+        raise ValueError(f"layout must be 'serving' or 'stacked', got {layout!r}")
+    use_cache = layout == "serving" and mode == "serving" and weights_cache and \
+        cached_weights.enabled()
     if use_cache:
         cache_file = cached_weights.cache_path(source.path, dtype)
         hit = cached_weights.load(
@@ -104,8 +111,8 @@ def load_target(
             return LoadedTarget(cfg, params, source.tokenizer(), source.description, mesh,
                                 source.path)
     cfg, params = source.read(mesh, mode, dtype)
-    if mode == "serving":
-        shardings = param_shardings(serving_specs(cfg), mesh, "serving")
+    if layout == "serving":
+        shardings = param_shardings(serving_specs(cfg), mesh, mode)
         params = to_serving(params, cfg, shardings=shardings, delete_stacked=True)
         if use_cache:
             cached_weights.save(cache_file, params, cfg)

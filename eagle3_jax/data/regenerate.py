@@ -307,12 +307,15 @@ def regenerate_conversations(
             bar.update(1)
         return None
 
-    def feed(queue: collections.deque, items, front: bool) -> None:
-        for c in items:
+    def top_up(queue: collections.deque, conversations_left) -> None:
+        """Queue first turns until ``batch_size`` prompts wait (or no conversation is left)."""
+        while len(queue) < batch_size:
+            c = next(conversations_left, None)
+            if c is None:
+                return
             prompt = next_prompt(c)
             if prompt is not None:
-                (queue.appendleft if front else queue.append)((c, prompt))
-                return
+                queue.append((c, prompt))
 
     start = time.perf_counter()
     try:
@@ -324,8 +327,7 @@ def regenerate_conversations(
         queue: collections.deque = collections.deque()
         # Keep a few prompts queued ahead; a conversation's next turn goes to the front, so it
         # finishes (and is written) soon after its first answer.
-        for _ in range(batch_size):
-            feed(queue, conversations_left, front=False)
+        top_up(queue, conversations_left)
         for finished in decoder.run(queue, jax.random.PRNGKey(seed)):
             c = finished.job
             c.messages.append({"role": "assistant", "content": tok.decode(finished.tokens)})
@@ -335,11 +337,7 @@ def regenerate_conversations(
             prompt = next_prompt(c)
             if prompt is not None:
                 queue.appendleft((c, prompt))
-            while len(queue) < batch_size:
-                before = len(queue)
-                feed(queue, conversations_left, front=False)
-                if len(queue) == before:
-                    break
+            top_up(queue, conversations_left)
     finally:
         appender.close()
         if bar is not None:

@@ -114,14 +114,15 @@ class ContinuousDecoder:
                                   f"the model context of {context} tokens")
         self.params, self.cfg = params, cfg
         self.slots, self.steps_per_call, self.pad_id = slots, steps_per_call, pad_id
-        self.max_prompt_len = max_prompt_len
-        self.spec = PlainDecoding(cfg, int(max_new_tokens), 0, sampling, eos_tuple(eos_token_ids))
-        self.spec = dataclasses.replace(self.spec, max_len=self._cache_len(1))
+        self.max_prompt_len, self.max_new_tokens = max_prompt_len, int(max_new_tokens)
+        # The spec of the current cache size (``_grow`` replaces it as the cache grows).
+        self.spec = PlainDecoding(cfg, self.max_new_tokens, self._cache_len(1), sampling,
+                                  eos_tuple(eos_token_ids))
 
     def _cache_len(self, prompt_len: int) -> int:
         """Cache slots a prompt of ``prompt_len`` tokens needs: room for N more, bucketed."""
         context = self.cfg.max_position_embeddings
-        return min(bucket(prompt_len + self.spec.max_new_tokens, 16, context), context)
+        return min(bucket(prompt_len + self.max_new_tokens, 16, context), context)
 
     def _grow(self, state: DecodeState, max_len: int) -> DecodeState:
         """``state`` with its cache padded to ``max_len`` slots (the new slots hold nothing)."""
@@ -134,12 +135,15 @@ class ContinuousDecoder:
                         end=state.cache.end)
         return dataclasses.replace(state, cache=cache)
 
-    def _empty_state(self) -> DecodeState:
+    def _empty_state(self, key: jax.Array) -> DecodeState:
+        """Every row done (free). Its key has the run key's type, so the jitted calls see one
+        state type and compile once; it is a new array, as the calls donate the state."""
         b, spec = self.slots, self.spec
         out = Emitted.empty(b, spec.max_new_tokens)
         return DecodeState(cache=KVCache.zeros(self.cfg, b, spec.max_len),
                            last_token=jnp.zeros((b,), jnp.int32), step=jnp.zeros((), jnp.int32),
-                           out=out.replace(done=jnp.ones((b,), bool)), key=jax.random.key(0))
+                           out=out.replace(done=jnp.ones((b,), bool)),
+                           key=jax.random.split(key)[0])
 
     def run(self, prompts: Iterable[tuple[Hashable, Sequence[int]]],
             key: jax.Array | None = None) -> Iterator[Finished]:
@@ -152,7 +156,7 @@ class ContinuousDecoder:
         """
         key = jax.random.key(0) if key is None else key
         queue = prompts if isinstance(prompts, collections.deque) else collections.deque(prompts)
-        state = self._empty_state()
+        state = self._empty_state(key)
         jobs: list[Hashable | None] = [None] * self.slots
         calls = 0
         while True:

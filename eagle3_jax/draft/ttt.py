@@ -129,8 +129,9 @@ def ttt_forward(
 
         # Labels: the target at x_{t+1+i} (predicting x_{t+2+i}), weighed by the loss mask.
         label_logp = shifted(logp_p, i + 1)
-        same_doc = ((shifted(seg_p, i + 1) == seg)
-                    & (shifted(seg_p, i + mask_offset) == seg))
+        # Label (t+1+i) and masked token (t+i+offset) in t's document: segments are contiguous,
+        # so checking the later of the two is enough.
+        same_doc = shifted(seg_p, i + max(1, mask_offset)) == seg
         weight = (shifted(loss_mask_p, i + mask_offset) & shifted(in_draft_p, i + 1) & same_doc
                   & (seg > 0)).astype(jnp.float32)
         logq = jax.nn.log_softmax(logits, axis=-1)

@@ -30,7 +30,7 @@ from flax import struct
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.layers import (apply_rope, attention, empty_kv, rms_norm, rope_inv_freq,
                                      write_kv)
-from eagle3_jax.model.params import Params, to_serving_layer
+from eagle3_jax.model.params import Params, is_serving, to_serving_layer
 
 
 @struct.dataclass
@@ -184,7 +184,7 @@ def forward(
     Raises:
       TypeError: ``params`` are in the stacked layout.
     """
-    if not isinstance(params["layers"], (tuple, list)):
+    if not is_serving(params):
         raise TypeError("forward() takes serving-layout params (eagle3_jax.model.to_serving); "
                         "use forward_stacked() for the stacked training layout")
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -232,7 +232,7 @@ def forward_stacked(
     Raises:
       TypeError: ``params`` are in the serving layout.
     """
-    if isinstance(params["layers"], (tuple, list)):
+    if is_serving(params):
         raise TypeError("forward_stacked() takes stacked params (eagle3_jax.model.to_stacked); "
                         "use forward() for the serving layout")
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)

@@ -25,6 +25,7 @@ from typing import Any, Collection, Mapping, Sequence
 import optax
 import yaml
 
+from eagle3_jax.draft.ttt import LOSS_MASK_OFFSETS
 from eagle3_jax.model.config import ConfigError
 from eagle3_jax.sharding import MeshConfig, MeshError
 
@@ -130,7 +131,7 @@ class TrainConfig:
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"train config: eval_fraction must be in [0, 1), "
                               f"got {self.eval_fraction!r}")
-        if self.loss_mask not in ("predicted", "reference"):
+        if self.loss_mask not in LOSS_MASK_OFFSETS:
             raise ConfigError("train config: loss_mask must be 'predicted' (the mask of the "
                               "token each step predicts) or 'reference' (the reference "
                               f"implementation's alignment), got {self.loss_mask!r}")

@@ -61,17 +61,17 @@ from eagle3_jax.draft.load import CHECKPOINT_DIR, METRICS_FILE, VOCAB_FILE
 from eagle3_jax.draft.params import VocabMap, draft_param_specs, init_draft_params
 from eagle3_jax.draft.ttt import STEP_WEIGHT_DECAY
 from eagle3_jax.model.config import ConfigError, TargetConfig
-from eagle3_jax.model.params import Params, init_params, param_specs, to_stacked
+from eagle3_jax.model.params import Params, init_params, param_specs
 from eagle3_jax.sharding import make_mesh, param_shardings
 from eagle3_jax.train.checkpointing import TrainCheckpointError, TrainCheckpointer, abstract_state
 from eagle3_jax.train.config import TrainConfig, check_paths
+from eagle3_jax.train.inputs import FeatureInputs, TargetInputs, offline_frozen
+from eagle3_jax.train.metrics import MetricsWriter, plot_accuracy, read_metrics
+from eagle3_jax.train.step import TrainState, eval_step, train_step
 
 # The draft's master weights and optimiser moments, whatever the target's dtype: in bfloat16 an
 # AdamW update below half an ulp of the weight (lr 1e-4 on weights of order 1) rounds to nothing.
 MASTER_DTYPE = "float32"
-from eagle3_jax.train.inputs import FeatureInputs, TargetInputs, offline_frozen
-from eagle3_jax.train.metrics import MetricsWriter, plot_accuracy, read_metrics
-from eagle3_jax.train.step import TrainState, eval_step, train_step
 
 log = logging.getLogger(__name__)
 
@@ -114,9 +114,9 @@ def load_frozen_target(cfg: TrainConfig, mesh: Mesh,
         return tcfg, init(tcfg, jax.random.key(cfg.seed + 1)), cfg.target
     from eagle3_jax.checkpoints import load_target
 
-    loaded = load_target(cfg.target, mesh=mesh, mode=mode, dtype=cfg.dtype)
-    # Training runs the target stacked (forward_stacked); serving rules load it per layer.
-    return loaded.cfg, to_stacked(loaded.params, loaded.cfg), loaded.source
+    # Training runs the target stacked (forward_stacked), whichever sharding rules place it.
+    loaded = load_target(cfg.target, mesh=mesh, mode=mode, dtype=cfg.dtype, layout="stacked")
+    return loaded.cfg, loaded.params, loaded.source
 
 
 def _load_records(records: Any, path: str | None):

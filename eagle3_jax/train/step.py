@@ -36,6 +36,12 @@ class TrainState:
                    opt_state=optimizer.init(params), rng=rng)
 
 
+def _cast(params: Params, compute_dtype: str | None, draft_cfg: DraftConfig) -> Params:
+    """The draft's (master) params in the dtype it computes in (None: the params' own)."""
+    dtype = jnp.dtype(compute_dtype or draft_cfg.dtype)
+    return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
 def train_step(state: TrainState, frozen: Params, vocab: VocabMap,
                batch: dict[str, jax.Array], *, make_inputs: MakeInputs,
                draft_cfg: DraftConfig, optimizer: optax.GradientTransformation,
@@ -51,13 +57,12 @@ def train_step(state: TrainState, frozen: Params, vocab: VocabMap,
     Returns (new_state, metrics) with the weighted loss and per-step loss / accuracy averaged
     over micro-batches.
     """
-    dtype = jnp.dtype(compute_dtype or draft_cfg.dtype)
     embed = frozen["embed"]
 
     def micro_loss(params, micro):
         ttt = make_inputs(frozen, vocab, micro)
-        cast = jax.tree.map(lambda x: x.astype(dtype), params)
-        return ttt_forward(cast, draft_cfg, embed, ttt, loss_mask=loss_mask)
+        return ttt_forward(_cast(params, compute_dtype, draft_cfg), draft_cfg, embed, ttt,
+                           loss_mask=loss_mask)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -90,8 +95,7 @@ def eval_step(params: Params, frozen: Params, vocab: VocabMap, batch: dict[str, 
               compute_dtype: str | None = None, loss_mask: str = "predicted"):
     """Held-out loss and per-step accuracy on one [B, T, ...] batch (no update)."""
     ttt = make_inputs(frozen, vocab, batch)
-    dtype = jnp.dtype(compute_dtype or draft_cfg.dtype)
-    params = jax.tree.map(lambda x: x.astype(dtype), params)
-    loss, metrics = ttt_forward(params, draft_cfg, frozen["embed"], ttt, loss_mask=loss_mask)
+    loss, metrics = ttt_forward(_cast(params, compute_dtype, draft_cfg), draft_cfg,
+                                frozen["embed"], ttt, loss_mask=loss_mask)
     metrics["loss"] = loss
     return metrics
