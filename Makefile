@@ -1,6 +1,9 @@
 # make demo      : create .venv if missing, install, fetch the default model, run the decoder on it.
 # make test      : the same set-up, then the whole test suite on an 8-device CPU-emulated mesh.
 # make test-fast : the same, without the tests marked `slow` (the edit loop).
+# make head      : rebuild the shipped EAGLE-3 head of the default target from nothing (data the
+#                  target answers itself, training, measurement, export + model card); hours on a
+#                  CPU, resumable: re-run it after an interruption.
 # Both are fast the second time: the venv and the model cache are reused.
 #
 # Installs use constraints.txt: the exact versions of every package of the tested venv, so a
@@ -14,7 +17,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 export EAGLE3_JAX_HOME ?= $(HOME)/.cache/eagle3_jax
 
-.PHONY: setup model demo test test-fast bench lock clean
+.PHONY: setup model demo test test-fast bench head lock clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,8 +30,14 @@ setup: $(STAMP)
 model: $(STAMP)
 	$(PY) -m eagle3_jax.checkpoints.default_model
 
+# The default target ships an EAGLE-3 head: decode the example prompt plainly and with EAGLE,
+# print the answer, the acceptance length and the speed-up (and whether the default mode, which
+# picks the tree by measuring this machine, would use EAGLE here).
 demo: model
-	$(PY) -m eagle3_jax.decode
+	$(PY) -m eagle3_jax.decode --compare --max-new-tokens 128
+
+head: model
+	PY=$(PY) bash launch/build_default_head.sh
 
 # One pytest worker per core (pytest-xdist), a test file per worker so module fixtures are
 # built once; PYTEST_WORKERS=0 runs in one process.

@@ -5,6 +5,8 @@ A preset file::
     name: llama-3.1-8b-instruct
     target: {arch: llama, vocab_size: 128256, ...}   # TargetConfig fields
     weights: null          # or "builtin:smollm2-135m-instruct"; null = pass --target PATH
+    draft_head: null       # or "builtin:NAME": the EAGLE-3 head shipped for these weights in
+                           # eagle3_jax/heads/NAME/ (decoding then defaults to EAGLE)
     mesh: {data: 1, fsdp: 1, tensor: -1}               # MeshConfig; -1 = all remaining devices
     notes: free text
 
@@ -37,7 +39,8 @@ from eagle3_jax.sharding import MeshConfig, MeshError
 CONFIGS_DIR: Traversable = importlib.resources.files("eagle3_jax") / "configs"
 BUILTIN_WEIGHTS = ("builtin:smollm2-135m-instruct",)
 DEFAULT_PRESET = "smollm2-135m"
-_KEYS = ("name", "target", "weights", "mesh", "notes")
+_KEYS = ("name", "target", "weights", "draft_head", "mesh", "notes")
+BUILTIN_PREFIX = "builtin:"
 
 
 class PresetError(Eagle3Error, ValueError):
@@ -49,6 +52,7 @@ class Preset:
     name: str
     target: TargetConfig
     weights: str | None = None  # "builtin:..." or None (the user passes a checkpoint path)
+    draft_head: str | None = None  # "builtin:NAME" (eagle3_jax/heads/NAME) or None
     mesh: MeshConfig = MeshConfig()
     notes: str = ""
 
@@ -138,13 +142,19 @@ def load_preset(name_or_path: str | Path) -> Preset:
     if weights is not None and weights not in BUILTIN_WEIGHTS:
         raise PresetError(f"{path}: weights must be null or one of {list(BUILTIN_WEIGHTS)}, "
                           f"got {weights!r}")
+    draft_head = data.get("draft_head")
+    if draft_head is not None and not (isinstance(draft_head, str)
+                                       and draft_head.startswith(BUILTIN_PREFIX)):
+        raise PresetError(f"{path}: draft_head must be null or 'builtin:NAME' (a head shipped in "
+                          f"eagle3_jax/heads/NAME), got {draft_head!r}")
     try:
         target = TargetConfig.from_dict(_floats(data["target"]))
         mesh = MeshConfig(**(data.get("mesh") or {}))
     except (ConfigError, MeshError, TypeError) as e:
         raise PresetError(f"{path}: {e}") from None
     return Preset(name=str(data.get("name") or Path(path.name).stem), target=target,
-                  weights=weights, mesh=mesh, notes=str(data.get("notes") or "").strip())
+                  weights=weights, draft_head=draft_head, mesh=mesh,
+                  notes=str(data.get("notes") or "").strip())
 
 
 def _floats(target: dict[str, Any]) -> dict[str, Any]:

@@ -39,6 +39,41 @@ def test_expected_accept_length_of_a_chain_is_the_prefix_product_sum():
     assert chain_accept_length([]) == 1.0
 
 
+def test_measured_top_r_hit_rates_credit_each_rank_with_what_was_measured():
+    """Per-depth top-r hit rates [h(1), h(2), ...]: the rank-r child is the target's token with
+    h(r+1) - h(r). Checked against a simulation of the walk: the target's token at depth d has
+    draft rank r with that probability (else no child has it), independently per depth, and a
+    round accepts while the node of that rank is in the tree."""
+    from eagle3_jax.decoding.acceptance import AcceptRatesError, rank_probabilities
+
+    hits = [[0.5, 0.7, 0.75], [0.3, 0.4, 0.45]]
+    np.testing.assert_allclose(rank_probabilities(hits[0], 2), [0.5, 0.2])
+    np.testing.assert_allclose(rank_probabilities(hits[1], 5), [0.3, 0.1, 0.05, 0.0, 0.0])
+    full = TreeConfig(tree_top_k=2, depth=2, total_tokens=7)  # root + 2 + 4
+    tau = expected_accept_length(full, hits)
+    assert tau == pytest.approx(1 + 0.7 + 0.7 * 0.4)
+    rng = np.random.default_rng(0)
+    probs = [rank_probabilities(h, 3) for h in hits]
+    accepted = []
+    for _ in range(200_000 // 10):
+        n = 1
+        for p in probs:
+            rank = rng.choice(4, p=[*p, 1 - p.sum()])
+            if rank >= 2:  # not among the tree's 2 children per node
+                break
+            n += 1
+        accepted.append(n)
+    assert tau == pytest.approx(np.mean(accepted), abs=0.02)
+    # A head whose second guesses are worthless gains nothing from siblings, where the
+    # geometric model (top-1 rate alone) credits rank 1 with a (1 - a).
+    flat = [[0.5, 0.5], [0.3, 0.3]]
+    wide = TreeConfig(tree_top_k=2, depth=1, total_tokens=3)
+    assert expected_accept_length(wide, flat) == pytest.approx(1.5)
+    assert expected_accept_length(wide, [0.5, 0.3]) == pytest.approx(1.75)
+    with pytest.raises(AcceptRatesError, match="must not decrease"):
+        expected_accept_length(wide, [[0.5, 0.4]])
+
+
 def test_mean_accept_length_is_tokens_per_round():
     # 3 rounds of 1 token, 1 of 2, 2 of 4: (3 + 2 + 8) / 6 tokens per round.
     assert mean_accept_length([0, 3, 1, 0, 2]) == pytest.approx(13 / 6)

@@ -39,7 +39,7 @@ def _setup(steps=4, kv_heads=2, seed=0):
     return cfg, params, embed, batch
 
 
-def _unrolled_reference(params, cfg, embed, batch, loss_mask="predicted"):
+def _unrolled_reference(params, cfg, embed, batch, loss_mask="predicted", with_weights=False):
     """Python loop, keys concatenated step by step as the PyTorch reference caches them.
 
     The loss at step i, index t scores the label l_{t+1+i} (the prediction of x_{t+2+i}) with
@@ -49,7 +49,7 @@ def _unrolled_reference(params, cfg, embed, batch, loss_mask="predicted"):
     k_steps = cfg.ttt_steps
     tokens, seg = np.asarray(batch.tokens), np.asarray(batch.segment_ids)
     g = fuse_taps(params, batch.taps)
-    keys, values, logits_all, losses = [], [], [], []
+    keys, values, logits_all, losses, weights, labels = [], [], [], [], [], []
     idx = np.arange(T)
     for i in range(k_steps):
         tok = np.zeros_like(tokens)
@@ -78,7 +78,11 @@ def _unrolled_reference(params, cfg, embed, batch, loss_mask="predicted"):
              & (seg > 0)).astype(np.float32)
         per_pos = -jnp.sum(np.exp(label) * jax.nn.log_softmax(logits), -1)
         losses.append(jnp.sum(per_pos * w) / max(w.sum(), 1.0))
+        weights.append(w)
+        labels.append(label.argmax(-1))
     total = sum(STEP_WEIGHT_DECAY ** i * l for i, l in enumerate(losses))
+    if with_weights:
+        return total, jnp.stack(losses), jnp.stack(logits_all), np.stack(weights), np.stack(labels)
     return total, jnp.stack(losses), jnp.stack(logits_all)
 
 
@@ -95,6 +99,27 @@ def test_scan_equals_unrolled_reference(kv_heads, loss_mask):
                                np.asarray(ref_logits)[:, valid], atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(metrics["loss_per_step"], ref_losses, rtol=1e-5)
     np.testing.assert_allclose(float(loss), ref_total, rtol=1e-5)
+
+
+def test_top_r_hit_rates_match_ranks_of_the_reference_logits():
+    """hits_per_step[i, r-1]: the scored share whose target token is among the draft's r best
+    at step i, counted here by sorting the unrolled reference's logits."""
+    cfg, params, embed, batch = _setup(steps=3)
+    _, metrics = ttt_forward(params, cfg, embed, batch, hit_ranks=VD)
+    _, _, logits, weights, labels = _unrolled_reference(params, cfg, embed, batch,
+                                                        with_weights=True)
+    logits = np.asarray(logits)
+    hits = np.asarray(metrics["hits_per_step"])  # [K, R]
+    assert hits.shape == (cfg.ttt_steps, VD)
+    for i in range(cfg.ttt_steps):
+        order = np.argsort(-logits[i], axis=-1)  # [B, T, Vd] best first
+        rank = np.argmax(order == labels[i][..., None], axis=-1)  # [B, T]
+        for r in (1, 2, 5, VD):
+            expected = (weights[i] * (rank < r)).sum() / weights[i].sum()
+            assert hits[i, r - 1] == pytest.approx(expected, abs=1e-6), (i, r)
+    np.testing.assert_allclose(hits[:, 0], metrics["acc_per_step"], atol=1e-6)
+    np.testing.assert_allclose(hits[:, -1], 1.0, atol=1e-6)  # every label is somewhere
+    assert np.all(np.diff(hits, axis=1) >= -1e-7)
 
 
 def test_gradients_equal_unrolled_reference():

@@ -10,7 +10,10 @@ with turn 1 and its answer in context. Reported per task (reference §5, §7):
   * ``accept_by_depth``: fraction of rounds accepting at least d draft tokens, d = 1..depth;
   * ``tokens_per_s_vanilla`` / ``tokens_per_s_eagle``: medians over prompts (and turns) of
     new tokens / seconds; ``speedup``: their ratio;
-  * ``identical``: every EAGLE answer equals the plain one token for token (it must, greedy).
+  * ``identical``: every EAGLE answer equals the plain one token for token (it must, greedy;
+    None with ``--temperature`` > 0, where both sample).
+
+``--draft`` defaults to the target's shipped head (``eagle3_jax.draft.shipped``).
 
 Writes ``--out`` (JSON ``{"tasks": {name: {...}}, "mean": {...}, "config": {...}}``), the
 markdown table next to it (``.md``, also printed) and a plot (``.png``: tau and speed-up per
@@ -69,7 +72,8 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
     speeds: dict[str, list[float]] = {"vanilla": [], "eagle": []}
     tokens = rounds = turns = 0
     hist = [0] * (depth + 2)
-    identical = True
+    # Greedy EAGLE must equal plain decoding; sampled answers differ by design (None).
+    identical = True if decoders["vanilla"].sampling.temperature == 0 else None
     for conversation in conversations:
         history: list[dict[str, str]] = []
         for user in conversation:
@@ -79,7 +83,8 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
             spec, t_spec = _timed(decoders["eagle"], ids, warm, "eagle", repeats)
             speeds["vanilla"].append(len(plain.token_ids) / max(t_plain, 1e-9))
             speeds["eagle"].append(len(spec.token_ids) / max(t_spec, 1e-9))
-            identical &= plain.token_ids == spec.token_ids
+            if identical is not None:
+                identical &= plain.token_ids == spec.token_ids
             tokens += len(spec.token_ids)
             rounds += spec.rounds
             hist = [a + b for a, b in zip(hist, spec.accept_hist)]
@@ -109,7 +114,8 @@ def report_table(tasks: dict[str, dict], mean: dict) -> str:
 
     rows = [(name, r["tau"], " / ".join(f"{a:.2f}" for a in r["accept_by_depth"]),
              r["tokens_per_s_vanilla"], r["tokens_per_s_eagle"], f"{r['speedup']:.2f}x",
-             "yes" if r["identical"] else "NO") for name, r in tasks.items()]
+             {True: "yes", False: "NO", None: "(sampled)"}[r["identical"]])
+            for name, r in tasks.items()]
     rows.append(("mean", mean["tau"], "", "", "", f"{mean['speedup']:.2f}x", ""))
     return markdown_table(["task", "tau", "accepted >= d drafts (d = 1..)", "vanilla tok/s",
                            "eagle tok/s", "speed-up", "identical"], rows)
@@ -142,8 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {', '.join(TASKS)}")
     p.add_argument("--num-prompts", type=int, default=10, help="prompts per task (max 80)")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--draft", required=True, metavar="PATH",
-                   help="EAGLE-3 head: released-format folder or training run / checkpoint")
+    p.add_argument("--draft", default=None, metavar="PATH",
+                   help="EAGLE-3 head: released-format folder or training run / checkpoint "
+                        "(default: the target's shipped head)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (outputs checked identical); > 0 samples both decoders "
+                        "(tau measured; texts differ by design)")
     p.add_argument("--target", default=None, help="preset, HF folder or .gguf (default SmolLM2)")
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--tree-top-k", type=int, default=None,
@@ -169,8 +179,8 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
     from eagle3_jax.cli.decode import (autotune, parse_accept_rates, parse_total_tokens,
                                        resolve_tree)
     from eagle3_jax.cli.output import log
-    from eagle3_jax.decoding import GREEDY
     from eagle3_jax.decoding.decoders import CompileCache, EagleDecoder, PlainDecoder
+    from eagle3_jax.decoding.sampling import sampling_from_flags
     from eagle3_jax.draft.load import check_head_path, load_head
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -182,7 +192,15 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
     rates = parse_accept_rates(args.accept_rates)
     tree = (None if total_tokens == "auto"
             else resolve_tree(total_tokens, args.tree_top_k, args.depth))
+    if args.draft is None:
+        from eagle3_jax.draft.shipped import shipped_head_for
+
+        shipped = shipped_head_for(args.target)
+        if shipped is None:
+            raise UsageError("this target ships no draft head: pass --draft PATH")
+        args.draft = str(shipped)
     check_head_path(args.draft)
+    sampling = sampling_from_flags(args.temperature, 1.0, 0)
     questions = {t: load_questions(t, args.num_prompts) for t in tasks}
 
     if load_fn is None:
@@ -195,9 +213,9 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
             [{"role": "user", "content": questions[tasks[0]][0][0]}], add_generation_prompt=True)
         tree = autotune(target, loaded, len(first), args.tree_top_k, args.depth, rates).tree
     cache = CompileCache(log)
-    decoders = {"vanilla": PlainDecoder(target, GREEDY, args.max_new_tokens, 0,
+    decoders = {"vanilla": PlainDecoder(target, sampling, args.max_new_tokens, 0,
                                         compile_cache=cache),
-                "eagle": EagleDecoder(target, GREEDY, args.max_new_tokens, 0, head=head,
+                "eagle": EagleDecoder(target, sampling, args.max_new_tokens, 0, head=head,
                                       tree=tree, compile_cache=cache)}
     log(f"[speed: {target.source} with {description}; tree tree_top_k={tree.tree_top_k} depth="
         f"{tree.depth} total_tokens={tree.total_tokens}]")
@@ -214,7 +232,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
                        "total_tokens": tree.total_tokens},
               "total_tokens_auto": total_tokens == "auto", "num_prompts": args.num_prompts,
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "batch_size": 1,
-              "temperature": 0.0, "seconds": round(time.perf_counter() - start, 1),
+              "temperature": args.temperature, "seconds": round(time.perf_counter() - start, 1),
               "machine": machine_description()}
     out = Path(args.out)
     report = {"tasks": results, "mean": mean, "config": config}
@@ -227,7 +245,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
         plot(out.with_suffix(".png"), results,
              f"EAGLE-3 on {Path(str(getattr(target, 'weights', None) or target.source)).name}"
              f", tree {tree.tree_top_k}/{tree.depth}/{tree.total_tokens}, {args.num_prompts} "
-             "prompts/task, batch 1, T=0")
+             f"prompts/task, batch 1, T={args.temperature:g}")
         written.append(out.with_suffix(".png"))
     log(f"[wrote {', '.join(map(str, written))}]")
     return report

@@ -23,10 +23,12 @@ Output:
     tokens past the limit; the prefill's token is not a round) and ``accept_hist`` (index j:
     rounds that emitted j tokens).
 
-``--mode`` picks the decoder: ``vanilla`` (plain autoregressive decoding, the default while no
-draft head ships) or ``eagle`` (EAGLE-3 speculative decoding with ``--draft PATH``: a head in
-the released format, a folder with config.json + model.safetensors, or a training run folder /
-``checkpoints/<step>`` folder). ``--depth`` (levels, the root included), ``--tree-top-k`` and
+``--mode`` picks the decoder: ``vanilla`` (plain autoregressive decoding) or ``eagle`` (EAGLE-3
+speculative decoding with ``--draft PATH``: a head in the released format, a folder with
+config.json + model.safetensors, or a training run folder / ``checkpoints/<step>`` folder).
+The default is ``eagle`` when ``--draft`` is given or the target has a shipped head (the
+default SmolLM2 does: :mod:`eagle3_jax.draft.shipped`), whose tree is then ``auto``; else
+``vanilla``. ``--depth`` (levels, the root included), ``--tree-top-k`` and
 ``--total-tokens`` (nodes verified per round, the root included; a number or ``auto``, see
 :mod:`eagle3_jax.decoding.autotune`) shape the draft tree; ``--tree-top-k`` is not
 ``--top-k``, which stays the sampling cut-off. With ``auto``, when no tree is predicted to beat
@@ -147,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", metavar="AXIS=N,...", default=None,
                    help="shard the target over devices, e.g. tensor=8 (axes data, fsdp, tensor)")
     p.add_argument("--mode", choices=MODES, default=None,
-                   help="vanilla (default; eagle once a default head ships) or eagle; --draft "
-                        "or --compare alone select eagle")
+                   help="vanilla or eagle (default: eagle with --draft, --compare or a target "
+                        "that ships a head, with the tree chosen by measurement; else vanilla)")
     p.add_argument("--draft", metavar="PATH",
                    help="EAGLE-3 head: released-format folder or training run / checkpoint")
     p.add_argument("--depth", type=int, default=None,
@@ -175,19 +177,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="neither read nor write the serving-weights and compilation caches "
                         "under $EAGLE3_JAX_HOME")
     p.add_argument("--debug", action="store_true", help="show tracebacks of user errors too")
+    p.set_defaults(shipped_head=False)  # set by _check_flags when --draft is the shipped head
     return p
 
 
 def main(argv: Sequence[str] | None = None, *,
-         load_fn: Callable[[str | None], Any] | None = None) -> int:
+         load_fn: Callable[[str | None], Any] | None = None,
+         head_for: Callable[[str | None], Any] | None = None) -> int:
     """Run the CLI; returns the exit status. ``load_fn(target)`` replaces the model loader
-    (tests pass a tiny random model); it must return an object like ``LoadedTarget``."""
+    (tests pass a tiny random model); it must return an object like ``LoadedTarget``.
+    ``head_for(target)`` gives the target's shipped head folder or None; default: the package's
+    shipped heads (:func:`eagle3_jax.draft.shipped.shipped_head_for`) with the real loader, none
+    with ``load_fn`` (its model is not the preset's weights)."""
     args = build_parser().parse_args(argv)
-    return run_cli(lambda: _run(args, load_fn), debug=args.debug)
+    if head_for is None:
+        from eagle3_jax.draft.shipped import shipped_head_for
+
+        head_for = shipped_head_for if load_fn is None else (lambda target: None)
+    return run_cli(lambda: _run(args, load_fn, head_for), debug=args.debug)
 
 
-def _check_flags(args: argparse.Namespace) -> str:
-    """Flag combinations, before anything loads; returns the mode."""
+def _check_flags(args: argparse.Namespace, head_for: Callable[[str | None], Any]) -> str:
+    """Flag combinations, before anything loads; returns the mode. Without ``--draft`` and
+    ``--mode vanilla``, the target's shipped head (``head_for``) becomes the draft, with the
+    tree chosen by measurement (``--total-tokens auto``) unless tree flags are given."""
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.batch_size is not None and args.batch_size < 1:
@@ -199,9 +212,17 @@ def _check_flags(args: argparse.Namespace) -> str:
     if args.chat and (args.json or args.compare):
         raise UsageError("--chat streams its answers; it does not combine with --json or "
                          "--compare")
+    if args.draft is None and args.mode != "vanilla":
+        shipped = head_for(args.target)
+        if shipped is not None:
+            args.draft = str(shipped)
+            args.shipped_head = True
+            if args.total_tokens is None and args.tree_top_k is None and args.depth is None:
+                args.total_tokens = "auto"  # the shipped head's tree is the chooser's
     mode = args.mode or ("eagle" if args.draft or args.compare else "vanilla")
     eagle = mode == "eagle" or args.compare
-    tree_flags = [f for f, v in (("--draft", args.draft), ("--depth", args.depth),
+    draft_flag = None if args.shipped_head else args.draft
+    tree_flags = [f for f, v in (("--draft", draft_flag), ("--depth", args.depth),
                                  ("--tree-top-k", args.tree_top_k),
                                  ("--total-tokens", args.total_tokens),
                                  ("--accept-rates", args.accept_rates)) if v is not None]
@@ -212,8 +233,9 @@ def _check_flags(args: argparse.Namespace) -> str:
     if args.compare and args.mode == "vanilla":
         raise UsageError("--compare runs both modes; drop --mode vanilla")
     if eagle and args.draft is None:
-        raise UsageError("--mode eagle needs a draft head, and no default head ships yet: pass "
-                         "--draft PATH (a released EAGLE-3 head folder or a training run folder)")
+        raise UsageError("--mode eagle needs a draft head and this target has no shipped one: "
+                         "pass --draft PATH (a released EAGLE-3 head folder or a training run "
+                         "folder)")
     if args.force_eagle and args.total_tokens != "auto":
         raise UsageError("--force-eagle only applies to --total-tokens auto")
     parse_mesh(args.mesh)
@@ -247,11 +269,11 @@ def _load_target(args, load_fn):
     return target
 
 
-def _run(args: argparse.Namespace, load_fn: Callable | None) -> None:
+def _run(args: argparse.Namespace, load_fn: Callable | None, head_for: Callable) -> None:
     from eagle3_jax.decoding.sampling import sampling_from_flags
     from eagle3_jax.decoding.decoders import CompileCache, EagleDecoder, PlainDecoder
 
-    mode = _check_flags(args)
+    mode = _check_flags(args, head_for)
     if not args.no_cache:
         from eagle3_jax.compile_cache import enable_compile_cache
 

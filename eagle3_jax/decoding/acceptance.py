@@ -13,10 +13,17 @@ are not counted either (:func:`eagle3_jax.decoding.eagle` records each round's e
   :mod:`eagle3_jax.decoding.autotune`); a chain (``tree_top_k=1``) gives
   :func:`chain_accept_length`.
 
-Per-depth rates ``a_d`` (d = 0 for the root's children) are the chance that the draft's top-1
-token at depth d equals the target's, given its path was accepted. The rank-r sibling (0-based)
-catches the target's token with ``a_d (1 - a_d)^r``; a node is accepted with the product of its
-path's factors, so ``E[tau] = 1 + sum over non-root nodes of that product``.
+Per-depth rates (d = 0 for the root's children), one entry per depth, either
+
+* a number ``a_d``: the chance that the draft's top-1 token at depth d equals the target's,
+  given its path was accepted; the rank-r sibling (0-based) is then modelled to catch the
+  target's token with ``a_d (1 - a_d)^r`` (an assumption, optimistic for weak heads), or
+* a list of measured top-r hit rates ``[h_d(1), h_d(2), ..., h_d(R)]`` (the training eval's
+  ``hits_per_step``): the rank-r sibling catches it with ``h_d(r + 1) - h_d(r)``, exactly what
+  was measured, and ranks past R with 0.
+
+A node is accepted with the product of its path's factors, so ``E[tau] = 1 + sum over non-root
+nodes of that product``.
 """
 
 from __future__ import annotations
@@ -52,19 +59,46 @@ def default_accept_rates(depth: int) -> list[float]:
     return [DEFAULT_FIRST_RATE * DEFAULT_DECAY ** d for d in range(depth)]
 
 
-def rates_for_depth(rates: Sequence[float] | None, depth: int) -> list[float]:
-    """``rates`` cut or extended (last rate x 0.9 per extra level) to ``depth`` entries."""
-    if not rates:
+# A depth's rate: a top-1 rate, or measured cumulative top-r hit rates (module docstring).
+Rate = float | Sequence[float]
+
+
+def _check_rate(rate: Rate) -> float | list[float]:
+    if np.ndim(rate) == 0:
+        values = [float(rate)]
+    else:
+        values = [float(r) for r in rate]
+    if not values or any(not 0.0 <= r <= 1.0 for r in values):
+        raise AcceptRatesError(f"acceptance rates must lie in [0, 1], got {rate}")
+    if any(b < a - 1e-9 for a, b in zip(values, values[1:])):
+        raise AcceptRatesError(f"top-r hit rates must not decrease with r, got {rate}")
+    return values[0] if np.ndim(rate) == 0 else values
+
+
+def rates_for_depth(rates: Sequence[Rate] | None, depth: int) -> list[float | list[float]]:
+    """``rates`` cut or extended (the last depth's rates x 0.9 per extra level) to ``depth``
+    entries; None or empty gives the default profile."""
+    if rates is None or len(rates) == 0:
         return default_accept_rates(depth)
-    rates = [float(r) for r in rates]
-    if any(not 0.0 <= r <= 1.0 for r in rates):
-        raise AcceptRatesError(f"acceptance rates must lie in [0, 1], got {rates}")
+    rates = [_check_rate(r) for r in rates]
     while len(rates) < depth:
-        rates.append(rates[-1] * DEFAULT_DECAY)
+        last = rates[-1]
+        rates.append(last * DEFAULT_DECAY if isinstance(last, float)
+                     else [r * DEFAULT_DECAY for r in last])
     return rates[:depth]
 
 
-def candidate_scores(tree_top_k: int, depth: int, rates: Sequence[float]) -> np.ndarray:
+def rank_probabilities(rate: Rate, tree_top_k: int) -> np.ndarray:
+    """[tree_top_k]: the chance that the draft's rank-r token (r = 0..k-1) is the target's,
+    given the parent was accepted (module docstring)."""
+    rate = _check_rate(rate)
+    if isinstance(rate, float):
+        return np.array([rate * (1 - rate) ** r for r in range(tree_top_k)])
+    probs = np.diff(np.concatenate([[0.0], rate]))
+    return np.pad(probs, (0, max(0, tree_top_k - len(probs))))[:tree_top_k]
+
+
+def candidate_scores(tree_top_k: int, depth: int, rates: Sequence[Rate] | None) -> np.ndarray:
     """Modelled acceptance probability of every candidate node, sorted descending.
 
     Which nodes the tree holds follows the real build (``decoding/tree.py``) with the model's
@@ -72,7 +106,7 @@ def candidate_scores(tree_top_k: int, depth: int, rates: Sequence[float]) -> np.
     further level the k children of the best k nodes of the level above.
     """
     a = rates_for_depth(rates, depth)
-    rank = lambda d: np.array([a[d] * (1 - a[d]) ** r for r in range(tree_top_k)])  # noqa: E731
+    rank = lambda d: rank_probabilities(a[d], tree_top_k)  # noqa: E731
     level = rank(0)
     scores = [level]
     for d in range(1, depth):
@@ -82,7 +116,7 @@ def candidate_scores(tree_top_k: int, depth: int, rates: Sequence[float]) -> np.
     return np.sort(np.concatenate(scores))[::-1]
 
 
-def expected_accept_length(tree: TreeConfig, rates: Sequence[float] | None = None) -> float:
+def expected_accept_length(tree: TreeConfig, rates: Sequence[Rate] | None = None) -> float:
     """Modelled E[tau] (tokens per round, bonus included) of ``tree``: 1 + the best
     ``total_tokens - 1`` candidates' acceptance probabilities."""
     scores = candidate_scores(tree.tree_top_k, tree.depth, rates_for_depth(rates, tree.depth))

@@ -11,12 +11,14 @@ The model (batch 1, greedy)::
 * ``t_draft(depth, k) = (depth - 1) * t_step(k) + t_step(depth + 1)``: the tree grows depth - 1
   levels of k frontier tokens, then the draft catches up on the accepted path (depth + 1
   tokens). ``t_step(w)`` is one measured draft step over w tokens.
-* ``E[tau]``: :func:`eagle3_jax.decoding.acceptance.expected_accept_length` (per-depth
-  acceptance rates ``a_d``, siblings catching the rest of the mass geometrically).
-* ``a_d``: a head's measured per-step accuracies (training eval ``acc_per_step``; the TTT step
-  i accuracy is exactly "top-1 at depth i given correct ancestors"), or ``--accept-rates``, or
+* ``E[tau]``: :func:`eagle3_jax.decoding.acceptance.expected_accept_length` from per-depth
+  rates.
+* the rates: a head's measured per-depth top-r hit rates (training eval ``hits_per_step``, kept
+  in a shipped head's ``acceptance.json``; TTT step i is exactly "depth i given correct
+  ancestors"), so a rank-r sibling is credited with what was measured for rank r; else its
+  top-1 accuracies (``acc_per_step``, siblings modelled geometrically), ``--accept-rates``, or
   the default profile ``a_d = 0.6 * 0.9**d``. Depths past the given list continue the last
-  rate times 0.9 per level.
+  rates times 0.9 per level.
 
 Costs are cached per machine and model in ``$EAGLE3_JAX_HOME/autotune/<key>.json``, key a hash
 of the platform, device kind, target config, JAX version and the source of the code being timed
@@ -38,7 +40,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from eagle3_jax.decoding.acceptance import candidate_scores, rates_for_depth
+from eagle3_jax.decoding.acceptance import Rate, candidate_scores, rates_for_depth
 from eagle3_jax.decoding.costs import forward_curve, measure_draft_steps
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.errors import Eagle3Error
@@ -105,7 +107,7 @@ class TreeChoice:
         return text
 
 
-def select_tree(costs: CostModel, rates: Sequence[float] | None = None, *,
+def select_tree(costs: CostModel, rates: Sequence[Rate] | None = None, *,
                 tree_top_k: int | None = None, depth: int | None = None,
                 tree_top_ks: Sequence[int] = TOP_KS, depths: Sequence[int] = DEPTHS) -> TreeChoice:
     """The valid tree with the highest modelled tokens/s (ties: the smaller tree).
@@ -228,7 +230,7 @@ def autotune_context(prompt_length: int) -> int:
 
 
 def autotune_tree(target_params, cfg, head, prompt_length: int, *,
-                  accept_rates: Sequence[float] | None = None, tree_top_k: int | None = None,
+                  accept_rates: Sequence[Rate] | None = None, tree_top_k: int | None = None,
                   depth: int | None = None, directory: str | Path | None = None,
                   log: Callable[[str], None] = lambda s: None) -> TreeChoice:
     """Measure (once per machine, model and context bucket) and pick the tree."""

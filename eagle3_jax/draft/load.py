@@ -16,8 +16,10 @@ A training run folder, as the trainer writes it::
         metrics.jsonl               train / eval records, with per-TTT-step ``acc_per_step``
 
 Only the ``params`` subtree of the state is read (an orbax partial restore), so reading a head
-needs neither the optimiser nor the trainer. The run's latest eval (else train) ``acc_per_step``
-at or before the step are the head's measured per-depth acceptance rates.
+needs neither the optimiser nor the trainer. The head's measured per-depth acceptance rates are
+the run's latest eval ``hits_per_step`` (top-r hit rates per depth) at or before the step, else
+its latest eval (else train) ``acc_per_step``. A released-format folder may carry the same
+record as ``acceptance.json`` (``python -m eagle3_jax.export`` writes it from the run).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from eagle3_jax.model.params import is_spec
 CHECKPOINT_DIR = "checkpoints"
 VOCAB_FILE = "draft_vocab.npz"
 METRICS_FILE = "metrics.jsonl"
+ACCEPTANCE_FILE = "acceptance.json"  # in a released-format folder: the eval record it came from
 STATE_ITEM, DATA_ITEM, META_ITEM = "state", "data", "meta"
 
 
@@ -50,14 +53,17 @@ class HeadError(Eagle3Error, ValueError):
 class LoadedHead:
     """A head ready to decode with, and what is known about it.
 
-    accept_rates: measured per-depth acceptance rates (a training run's eval), or None.
-    step: the training step it was read from (None for a released-format folder).
+    accept_rates: measured per-depth rates (a training run's eval): per depth the top-r hit
+      rates [h(1), ..., h(R)], or the top-1 rate alone for older runs; None if unknown.
+    step, run_dir: the training step and run folder it was read from (None for a
+      released-format folder).
     """
 
     head: DraftHead
     description: str
-    accept_rates: list[float] | None = None
+    accept_rates: list[float] | list[list[float]] | None = None
     step: int | None = None
+    run_dir: Path | None = None
 
 
 def check_head_path(path: str | Path) -> Path:
@@ -80,13 +86,18 @@ def load_head(path: str | Path, target_cfg: TargetConfig | None = None, *,
     if (folder / "config.json").is_file():
         from eagle3_jax.draft.export import load_draft_head
 
-        return LoadedHead(load_draft_head(folder, target_cfg), f"released-format head {folder}")
+        # Stored in 16-bit or not, a head computes in its target's dtype.
+        dtype = target_cfg.dtype if target_cfg is not None else None
+        return LoadedHead(load_draft_head(folder, target_cfg, dtype=dtype),
+                          f"released-format head {folder}",
+                          accept_rates=_released_rates(folder / ACCEPTANCE_FILE))
     run_dir, named_step = _run_folder(folder, path)
     head, step = read_run_head(run_dir, step if step is not None else named_step)
     if target_cfg is not None:
         head.cfg.check_fits(target_cfg)
     return LoadedHead(head, f"training run {run_dir} step {step}",
-                      accept_rates=_measured_rates(run_dir / METRICS_FILE, step), step=step)
+                      accept_rates=_measured_rates(run_dir / METRICS_FILE, step), step=step,
+                      run_dir=run_dir)
 
 
 def _run_folder(folder: Path, path) -> tuple[Path, int | None]:
@@ -176,11 +187,35 @@ def read_metrics(path: str | Path) -> list[dict]:
     return out
 
 
-def _measured_rates(metrics_path: Path, step: int) -> list[float] | None:
-    """The latest eval (else train) ``acc_per_step`` at or before ``step``, or None."""
-    records = [r for r in read_metrics(metrics_path) if r.get("acc_per_step")]
-    for kind in ("eval", "train"):
-        found = [r for r in records if r.get("kind") == kind and r.get("step", 0) <= step]
-        if found:
-            return [float(a) for a in found[-1]["acc_per_step"]]
-    return None
+def latest_eval(metrics_path: str | Path, step: int | None = None) -> dict | None:
+    """The run's latest eval record at or before ``step`` (any step if None), or None."""
+    found = [r for r in read_metrics(metrics_path) if r.get("kind") == "eval"
+             and r.get("acc_per_step") and (step is None or r.get("step", 0) <= step)]
+    return found[-1] if found else None
+
+
+def rates_of(record: dict) -> list[float] | list[list[float]]:
+    """A metrics record's per-depth rates: ``hits_per_step`` if it has them, else
+    ``acc_per_step``."""
+    if record.get("hits_per_step"):
+        return [[float(h) for h in hits] for hits in record["hits_per_step"]]
+    return [float(a) for a in record["acc_per_step"]]
+
+
+def _measured_rates(metrics_path: Path, step: int) -> list[float] | list[list[float]] | None:
+    """The rates of the latest eval (else train) record at or before ``step``, or None."""
+    record = latest_eval(metrics_path, step)
+    if record is None:
+        train = [r for r in read_metrics(metrics_path) if r.get("kind") == "train"
+                 and r.get("acc_per_step") and r.get("step", 0) <= step]
+        record = train[-1] if train else None
+    return None if record is None else rates_of(record)
+
+
+def _released_rates(path: Path) -> list[float] | list[list[float]] | None:
+    """The rates of a released folder's ``acceptance.json``, or None (absent or unreadable:
+    the chooser then falls back to its default profile, which it says)."""
+    try:
+        return rates_of(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

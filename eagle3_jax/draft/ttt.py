@@ -66,15 +66,19 @@ def ttt_forward(
     *,
     return_logits: bool = False,
     loss_mask: str = "predicted",
+    hit_ranks: int = 0,
 ):
     """Run K = cfg.ttt_steps draft steps over a batch.
 
     ``loss_mask``: "predicted" or "reference", which mask position weighs a step (module doc).
+    ``hit_ranks``: R > 0 also measures top-r hit rates, r = 1..R (what the tree chooser models
+    a tree from: how often the target's token is among the draft's r best at each depth).
 
     Returns:
       (loss scalar, metrics dict with ``loss_per_step`` [K], ``acc_per_step`` [K],
-      ``weight_per_step`` [K] (number of scored positions), and ``logits`` [K, B, T, Vd] when
-      ``return_logits``).
+      ``weight_per_step`` [K] (number of scored positions), ``hits_per_step`` [K, R] (share of
+      scored positions whose label is among the draft's top r + 1) when ``hit_ranks``, and
+      ``logits`` [K, B, T, Vd] when ``return_logits``).
     """
     if loss_mask not in LOSS_MASK_OFFSETS:
         raise ValueError(f"loss_mask must be one of {sorted(LOSS_MASK_OFFSETS)}, got {loss_mask!r}")
@@ -138,15 +142,26 @@ def ttt_forward(
         per_pos = -jnp.sum(jnp.exp(label_logp) * logq, axis=-1)  # [B, T]
         n_scored = jnp.sum(weight)
         loss_i = jnp.sum(per_pos * weight) / jnp.maximum(n_scored, 1.0)
-        hit = jnp.argmax(logits, -1) == jnp.argmax(label_logp, -1)
+        label = jnp.argmax(label_logp, -1)
+        hit = jnp.argmax(logits, -1) == label
         acc_i = jnp.sum(hit * weight) / jnp.maximum(n_scored, 1.0)
-        out = (loss_i, acc_i, n_scored, logits if return_logits else None)
+        hits_i = None
+        if hit_ranks:
+            # Rank of the label among the draft's logits (0 = its top-1), then top-r hit rates.
+            label_logit = jnp.take_along_axis(logits, label[..., None], axis=-1)
+            rank = jnp.sum(logits > label_logit, axis=-1)  # [B, T]
+            within = rank[..., None] < jnp.arange(1, hit_ranks + 1)  # [B, T, R]
+            hits_i = (jnp.sum(within * weight[..., None], axis=(0, 1))
+                      / jnp.maximum(n_scored, 1.0))
+        out = (loss_i, acc_i, n_scored, hits_i, logits if return_logits else None)
         return (h, k0, v0, diag_k, diag_v), out
 
     init = (g0, zeros_kv[0], zeros_kv[0], zeros_kv, zeros_kv)
-    _, (losses, accs, counts, logits) = jax.lax.scan(step, init, jnp.arange(k_steps))
+    _, (losses, accs, counts, hits, logits) = jax.lax.scan(step, init, jnp.arange(k_steps))
     weights = STEP_WEIGHT_DECAY ** jnp.arange(k_steps, dtype=jnp.float32)
     metrics = {"loss_per_step": losses, "acc_per_step": accs, "weight_per_step": counts}
+    if hit_ranks:
+        metrics["hits_per_step"] = hits
     if return_logits:
         metrics["logits"] = logits
     return jnp.sum(weights * losses), metrics

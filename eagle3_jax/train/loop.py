@@ -446,9 +446,10 @@ def evaluate(run: TrainSetup, params: Params) -> dict[str, Any] | None:
     """Held-out metrics of ``params`` over the first ``cfg.eval_batches`` batches of the eval
     source (unshuffled, one epoch); None when there is no eval set.
 
-    Per-step loss and accuracy are weighted by the scored tokens of each batch; ``loss`` is the
-    TTT loss (sum over steps of 0.8**i * loss_i) and ``accept_length`` the chain's simulated
-    tokens per round.
+    Per-step loss, accuracy and top-r hit rates (``hits_per_step`` [K][R]: the target's token
+    among the draft's r best, r = 1..R, at TTT step = tree depth k) are weighted by the scored
+    tokens of each batch; ``loss`` is the TTT loss (sum over steps of 0.8**i * loss_i) and
+    ``accept_length`` the chain's simulated tokens per round.
     """
     from eagle3_jax.data import make_train_iterator
 
@@ -463,7 +464,8 @@ def evaluate(run: TrainSetup, params: Params) -> dict[str, Any] | None:
         batch = _global_batch(host, run.eval_batch_sh, (), cfg.batch_size)
         m = jax.device_get(run.eval_fn(params, run.frozen, run.vocab, batch))
         w = m["weight_per_step"]
-        part = {"loss": m["loss_per_step"] * w, "acc": m["acc_per_step"] * w, "w": w}
+        part = {"loss": m["loss_per_step"] * w, "acc": m["acc_per_step"] * w, "w": w,
+                "hits": m["hits_per_step"] * w[:, None]}
         sums = part if sums is None else {k: sums[k] + part[k] for k in sums}
     if sums is None:
         return None
@@ -473,6 +475,7 @@ def evaluate(run: TrainSetup, params: Params) -> dict[str, Any] | None:
     decay = STEP_WEIGHT_DECAY ** np.arange(len(w))
     return {"loss": float(np.sum(decay * loss_per_step)),
             "loss_per_step": loss_per_step.tolist(), "acc_per_step": acc.tolist(),
+            "hits_per_step": (sums["hits"] / w[:, None]).tolist(),
             "scored_per_step": sums["w"].tolist(),
             "accept_length": chain_accept_length(acc)}
 
@@ -506,6 +509,11 @@ def _run_steps(run: TrainSetup, state: TrainState, start: int, end: int) -> dict
     last_train: dict[str, Any] | None = None
     last_eval: dict[str, Any] | None = None
     tokens_since, t_last, t_start = 0, time.perf_counter(), time.perf_counter()
+    # Totals carried over resumes (a head's card reports the whole run's tokens and wall time).
+    before = [r for r in read_metrics(writer.path) if r.get("kind") == "train"
+              and r.get("step", 0) <= start] if run.resumed else []
+    tokens_total = int(before[-1].get("tokens", 0)) if before else 0
+    seconds_before = float(before[-1].get("seconds", 0.0)) if before else 0.0
 
     bar = tqdm(total=end, initial=start, disable=not cfg.progress or jax.process_index() != 0,
                desc="train", unit="step", dynamic_ncols=True)
@@ -524,9 +532,12 @@ def _run_steps(run: TrainSetup, state: TrainState, start: int, end: int) -> dict
         if done % cfg.log_every == 0 or done == end:
             now = time.perf_counter()
             tokens_per_s = tokens_since * jax.process_count() / max(now - t_last, 1e-9)
+            tokens_total += tokens_since * jax.process_count()
             tokens_since, t_last = 0, now
             last_train = _train_row(jax.device_get(metrics), done, float(schedule(step)),
                                     tokens_per_s)
+            last_train.update(tokens=tokens_total,
+                              seconds=round(seconds_before + now - t_start, 1))
             writer.write(last_train)
             bar.set_postfix(loss=f"{last_train['loss']:.3f}",
                             acc="/".join(f"{a:.2f}" for a in last_train["acc_per_step"][:4]))

@@ -3,9 +3,14 @@
 Records (``metrics.jsonl`` in the run folder)::
 
     {"kind": "train", "step": 120, "loss": ..., "loss_per_step": [K], "acc_per_step": [K],
-     "grad_norm": ..., "lr": ..., "tokens_per_s": ...}
+     "grad_norm": ..., "lr": ..., "tokens_per_s": ..., "tokens": ..., "seconds": ...}
     {"kind": "eval", "step": 500, "loss": ..., "loss_per_step": [K], "acc_per_step": [K],
-     "accept_length": ...}
+     "hits_per_step": [K][R], "accept_length": ...}
+
+``tokens`` and ``seconds``: tokens trained on and wall seconds spent since the run began
+(summed over resumes). ``hits_per_step[k][r]``: the share of held-out positions at TTT step k (tree depth k + 1) whose
+target token is among the draft's r + 1 best (so ``[k][0]`` is ``acc_per_step[k]``); the tree
+chooser models a tree's acceptance from it (``eagle3_jax.decoding.acceptance``).
 
 ``accept_length`` is the simulated acceptance length ``1 + sum_k prod_{i<=k} acc_i`` of a chain
 of K drafts (``eagle3_jax.decoding.acceptance.chain_accept_length``).

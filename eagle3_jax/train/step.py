@@ -22,6 +22,9 @@ from eagle3_jax.draft.ttt import ttt_forward
 from eagle3_jax.model.params import Params
 from eagle3_jax.train.inputs import MakeInputs
 
+# Top-r hit rates measured at eval, r = 1..EVAL_HIT_RANKS: enough for a tree of tree_top_k 10.
+EVAL_HIT_RANKS = 10
+
 
 @struct.dataclass
 class TrainState:
@@ -92,10 +95,12 @@ def train_step(state: TrainState, frozen: Params, vocab: VocabMap,
 
 def eval_step(params: Params, frozen: Params, vocab: VocabMap, batch: dict[str, jax.Array],
               *, make_inputs: MakeInputs, draft_cfg: DraftConfig,
-              compute_dtype: str | None = None, loss_mask: str = "predicted"):
-    """Held-out loss and per-step accuracy on one [B, T, ...] batch (no update)."""
+              compute_dtype: str | None = None, loss_mask: str = "predicted",
+              hit_ranks: int = EVAL_HIT_RANKS):
+    """Held-out loss, per-step accuracy and per-step top-1..``hit_ranks`` hit rates
+    (``hits_per_step`` [K, R]) on one [B, T, ...] batch (no update)."""
     ttt = make_inputs(frozen, vocab, batch)
     loss, metrics = ttt_forward(_cast(params, compute_dtype, draft_cfg), draft_cfg,
-                                frozen["embed"], ttt, loss_mask=loss_mask)
+                                frozen["embed"], ttt, loss_mask=loss_mask, hit_ranks=hit_ranks)
     metrics["loss"] = loss
     return metrics

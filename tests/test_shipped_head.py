@@ -1,0 +1,135 @@
+"""Shipped draft heads: which target has one (``eagle3_jax.draft.shipped``), EAGLE as the
+decoder's default for it, the shipped head's files, and export writing acceptance.json and a
+model card from a training run's records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from eagle3_jax.draft import shipped
+from eagle3_jax.draft.export import export_draft_head
+from eagle3_jax.presets import PresetError, load_preset, preset_path
+from test_eagle_cli import TINY, ByteTokenizer, random_head
+
+
+def test_the_default_preset_names_its_head_and_only_presets_get_one(tmp_path, monkeypatch):
+    assert load_preset("smollm2-135m").draft_head == "builtin:smollm2-135m"
+    assert load_preset("llama-3.1-8b-instruct").draft_head is None
+    heads = tmp_path / "heads"
+    monkeypatch.setattr(shipped, "HEADS_DIR", heads)
+    assert shipped.shipped_head_for(None) is None  # named, but absent from this install
+    (heads / "smollm2-135m").mkdir(parents=True)
+    (heads / "smollm2-135m" / "config.json").write_text("{}")
+    assert shipped.shipped_head_for(None) == heads / "smollm2-135m"
+    assert shipped.shipped_head_for("smollm2-135m") == heads / "smollm2-135m"
+    assert shipped.shipped_head_for("llama-3.1-8b-instruct") is None  # no head named
+    assert shipped.shipped_head_for("no-such-preset") is None
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"")
+    assert shipped.shipped_head_for(str(gguf)) is None  # a path: not the preset's weights
+
+
+def test_a_preset_head_must_be_builtin(tmp_path):
+    text = Path(str(preset_path("smollm2-135m"))).read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("draft_head: builtin:smollm2-135m", "draft_head: /some/dir"))
+    with pytest.raises(PresetError, match="draft_head must be null or 'builtin:NAME'"):
+        load_preset(bad)
+
+
+def test_a_target_with_a_shipped_head_decodes_with_eagle_by_default(capsys, tmp_path):
+    target, head = _tiny(tmp_path)
+    has_head = lambda _: Path(head)  # noqa: E731
+    args = ["--prompt", "hello there", "--json", "--max-new-tokens", "12"]
+    from eagle3_jax.decode import main
+
+    code = main([*args, "--tree-top-k", "2", "--depth", "2"], load_fn=lambda _: target,
+                head_for=has_head)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    spec = json.loads(out)
+    assert "draft head: released-format head" in err and spec["rounds"] >= 1
+    code = main([*args, "--mode", "vanilla"], load_fn=lambda _: target, head_for=has_head)
+    out, err = capsys.readouterr()
+    plain = json.loads(out)
+    assert code == 0 and "draft head" not in err and "rounds" not in plain
+    assert plain["token_ids"] == spec["token_ids"]  # greedy EAGLE is lossless
+    # No shipped head: tree flags still need --draft.
+    code = main([*args, "--depth", "2"], load_fn=lambda _: target, head_for=lambda _: None)
+    assert code == 2 and "only apply to --mode eagle" in capsys.readouterr().err
+
+
+def _tiny(tmp_path):
+    """The tiny random target of test_eagle_cli and a random head for it."""
+    import types
+
+    from eagle3_jax.model.params import init_params, to_serving
+
+    target = types.SimpleNamespace(cfg=TINY, params=to_serving(
+        init_params(TINY, jax.random.key(1), scale=0.3), TINY), tokenizer=ByteTokenizer(),
+        source="tiny-random")
+    return target, str(export_draft_head(random_head(TINY, 200, seed=2), tmp_path / "head"))
+
+
+def test_the_shipped_head_is_16_bit_small_and_measured():
+    """The head in the package: released layout, stored in 16-bit under 25 MB, loaded in the
+    target's dtype, with the per-depth hit rates the tree chooser reads, and its card."""
+    from eagle3_jax.draft.load import load_head
+
+    folder = shipped.shipped_head_for(None)
+    if folder is None:
+        pytest.skip("this install ships no head for the default target")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["torch_dtype"] in ("bfloat16", "float16")
+    assert (folder / "model.safetensors").stat().st_size < 25 * 2**20
+    loaded = load_head(folder, load_preset("smollm2-135m").target)
+    assert all(v.dtype == np.float32 for v in loaded.head.params.values())
+    rates = loaded.accept_rates
+    assert rates and all(len(r) >= 4 and r == sorted(r) for r in rates)
+    card = (folder / "README.md").read_text()
+    assert "make head" in card and "Held-out accuracy by depth" in card
+
+
+def test_export_writes_acceptance_and_a_card_from_the_run(tmp_path):
+    from eagle3_jax.draft.load import load_head
+    from eagle3_jax.export import main
+    from eagle3_jax.model.params import init_params
+    from eagle3_jax.train.config import TrainConfig
+    from eagle3_jax.train.loop import TargetOverride, train
+    from test_export import VD, V, target_cfg
+
+    tcfg = target_cfg()
+    rng = np.random.default_rng(0)
+    records = [{"input_ids": rng.integers(0, V, 20).astype(np.int32),
+                "loss_mask": np.ones(20, bool)} for _ in range(24)]
+    run_dir = tmp_path / "run"
+    cfg = TrainConfig(target="tiny", out_dir=str(run_dir), max_len=16, batch_size=8,
+                      ttt_steps=2, draft_vocab_size=VD, total_steps=2, save_every=1,
+                      eval_every=2, eval_batches=1, eval_fraction=0.3, log_every=1,
+                      progress=False)
+    train(cfg, target_override=TargetOverride(tcfg, init_params(tcfg, jax.random.key(0))),
+          train_records=records)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert train_rows[-1]["tokens"] > train_rows[0]["tokens"] > 0
+    assert train_rows[-1]["seconds"] >= train_rows[0]["seconds"] >= 0
+    (ev,) = [r for r in rows if r["kind"] == "eval"]
+    assert np.asarray(ev["hits_per_step"]).shape == (2, 10)
+    build = tmp_path / "build.json"
+    build.write_text(json.dumps({"data": ["ten random rows"], "command": "make head"}))
+    out = tmp_path / "head"
+    assert main(["--checkpoint", str(run_dir), "--out", str(out), "--dtype", "bfloat16",
+                 "--card", "A test head", "--build-info", str(build)]) == 0
+    acceptance = json.loads((out / "acceptance.json").read_text())
+    assert acceptance["hits_per_step"] == ev["hits_per_step"] and acceptance["step"] == 2
+    loaded = load_head(out, tcfg)
+    assert loaded.accept_rates == ev["hits_per_step"]
+    assert all(v.dtype == np.float32 for v in loaded.head.params.values())  # the target's
+    card = (out / "README.md").read_text()
+    assert card.startswith("# A test head") and "ten random rows" in card
+    assert "| depth | top-1 | top-2 | top-4 | top-10 |" in card and "make head" in card
