@@ -23,6 +23,41 @@ def test_bench_train_reports_throughput_and_memory(smollm2_gguf_path, tmp_path):
     result = json.loads(out.read_text())
     assert result["tokens_per_s"] > 0 and result["peak_rss_mib"] > 0
     assert result["xla_memory"]["argument_mib"] > 500  # the SmolLM2 target is an argument
+    flops = result["flops"]
+    assert flops["matmul_peak_gflops"] > 0 and flops["head_gflops"] > 0
+    assert flops["head_share_of_peak"] == flops["head_gflops"] / flops["matmul_peak_gflops"]
+
+
+def test_head_flop_count_matches_xla_cost_analysis():
+    """The analytic TTT head count against XLA's own count of the compiled forward (one TTT
+    step: XLA counts a scan body once). XLA also counts elementwise work (softmax, norms), so
+    it may exceed the matmul count by a few percent, never fall below it."""
+    import jax
+    import jax.numpy as jnp
+
+    from eagle3_jax.bench.train import head_flops_per_token
+    from eagle3_jax.draft.config import DraftConfig
+    from eagle3_jax.draft.params import init_draft_params
+    from eagle3_jax.draft.ttt import TTTBatch, ttt_forward
+
+    b, t, d, vd = 2, 64, 64, 512
+    cfg = DraftConfig(hidden_size=d, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                      head_dim=16, vocab_size=1000, draft_vocab_size=vd, tap_layers=(1, 2, 3),
+                      ttt_steps=1)
+    # Every position scored (masks on): otherwise XLA drops the work that cannot reach the loss.
+    zeros = lambda *shape, dtype=jnp.float32: jnp.zeros(shape, dtype)  # noqa: E731
+    ones = lambda *shape, dtype: jnp.ones(shape, dtype)  # noqa: E731
+    batch = TTTBatch(tokens=zeros(b, t, dtype=jnp.int32), taps=zeros(b, t, 3 * d),
+                     target_logp=zeros(b, t, vd), target_in_draft=ones(b, t, dtype=bool),
+                     loss_mask=ones(b, t, dtype=bool), segment_ids=ones(b, t, dtype=jnp.int32),
+                     positions=zeros(b, t, dtype=jnp.int32))
+    embed = zeros(1000, d)
+    compiled = jax.jit(lambda p: ttt_forward(p, cfg, embed, batch)[0]).lower(
+        init_draft_params(cfg, jax.random.key(0))).compile()
+    cost = compiled.cost_analysis()
+    xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    ours = head_flops_per_token(cfg, t) / 3 * b * t  # the forward third
+    assert ours <= xla <= 1.1 * ours, (ours, xla)
 
 
 def test_unknown_command_is_refused(capsys):

@@ -199,3 +199,43 @@ def test_each_step_scores_the_answer_tokens_it_predicts(loss_mask):
             # Skips the answer's first two tokens and predicts x_8, past the answer's end.
             assert [t + 2 + i for t in scored] == [6, 7, 8]
         assert float(metrics["weight_per_step"][i]) == B * len(scored), (loss_mask, i)
+
+
+def test_lk_objective_matches_the_papers_equations():
+    """The LK hybrid from arXiv 2602.23881 written out here: alpha = sum min(p, q),
+    lambda = exp(-3 alpha), loss = lambda KL(p || q) + (1 - lambda) * 0.5 * sum |p - q|, averaged
+    over the scored positions of each step; its gradient in the draft logits (lambda held
+    constant) is lambda (q - p) + (1 - lambda) / 2 * (q * s - q (q . s)), s = sign(q - p)."""
+    from eagle3_jax.draft.ttt import position_loss
+
+    cfg, params, embed, batch = _setup(steps=3)
+    _, metrics = ttt_forward(params, cfg, embed, batch, return_logits=True, objective="lk")
+    _, _, logits, weights, _ = _unrolled_reference(params, cfg, embed, batch, with_weights=True)
+    logp_all = np.asarray(batch.target_logp, np.float64)
+    for i in range(cfg.ttt_steps):
+        label_logp = np.zeros_like(logp_all)
+        label_logp[:, : T - 1 - i] = logp_all[:, 1 + i:]
+        p = np.exp(label_logp)
+        p /= p.sum(-1, keepdims=True)
+        z = np.asarray(logits[i], np.float64)
+        q = np.exp(z - z.max(-1, keepdims=True))
+        q /= q.sum(-1, keepdims=True)
+        alpha = np.minimum(p, q).sum(-1)
+        lam = np.exp(-3 * alpha)
+        kl = (p * (np.log(p) - np.log(q))).sum(-1)
+        tv = 0.5 * np.abs(p - q).sum(-1)
+        expected = (weights[i] * (lam * kl + (1 - lam) * tv)).sum() / weights[i].sum()
+        assert float(metrics["loss_per_step"][i]) == pytest.approx(expected, rel=1e-4), i
+
+    rng = np.random.default_rng(0)
+    target = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(5, 12)) * 2))
+    z = jnp.asarray(rng.normal(size=(5, 12)))
+    grad = jax.grad(lambda z: position_loss(target, jax.nn.log_softmax(z), "lk").sum())(z)
+    p, q = np.exp(np.asarray(target)), np.asarray(jax.nn.softmax(z))
+    lam = np.exp(-3 * np.minimum(p, q).sum(-1, keepdims=True))
+    s = np.sign(q - p)
+    expected = lam * (q - p) + (1 - lam) / 2 * (q * s - q * (q * s).sum(-1, keepdims=True))
+    np.testing.assert_allclose(grad, expected, atol=1e-5)
+    # "kl" stays the reference's cross-entropy.
+    ce = -(p * np.asarray(jax.nn.log_softmax(z))).sum(-1)
+    np.testing.assert_allclose(position_loss(target, jax.nn.log_softmax(z), "kl"), ce, rtol=1e-5)

@@ -30,3 +30,22 @@ def machine_description() -> dict[str, object]:
     return {"platform": platform.platform(), "cpu_count": os.cpu_count(),
             "jax": jax.__version__, "backend": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()]}
+
+
+def measure_matmul_peak(repeats: int = 5) -> tuple[float, str]:
+    """(FLOP/s, shape) of the fastest float32 matmul among large model-like shapes on the
+    default device: the compute ceiling benchmarks quote their achieved rate against."""
+    from eagle3_jax.decoding.costs import interleaved_medians
+
+    shapes = [(2048, 576, 1536), (2048, 1536, 576), (1024, 1024, 1024), (512, 576, 8192)]
+    fns, inputs = {}, {}
+    for m, k, n in shapes:
+        key = f"{m}x{k}x{n}"
+        inputs[key] = (jax.random.normal(jax.random.key(0), (m, k), jax.numpy.float32),
+                       jax.random.normal(jax.random.key(1), (k, n), jax.numpy.float32))
+        dot = jax.jit(jax.numpy.matmul)
+        fns[key] = lambda dot=dot, key=key: dot(*inputs[key])
+    seconds = interleaved_medians(fns, repeats, warmup=2)
+    rates = {key: 2 * m * k * n / seconds[key] for (m, k, n), key in zip(shapes, fns)}
+    best = max(rates, key=rates.get)
+    return rates[best], best

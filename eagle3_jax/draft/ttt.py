@@ -17,6 +17,13 @@ like-for-like comparisons with it.
 and attends to the step-0 keys of indices s <= t (same segment) plus, for j = 1..i, the step-j
 key at its own index t ("the diagonal"): exactly what a depth-i tree node sees at inference,
 the real context plus its own ancestors. Loss = sum_i 0.8**i * loss_i.
+
+The per-position objective (``objective``): ``"kl"`` (the reference's): the cross-entropy of
+the draft q against the target p, which is KL(p || q) plus p's entropy (a constant); or ``"lk"``,
+the LK hybrid (arXiv 2602.23881) aimed at acceptance itself: with alpha = sum_x min(p, q) (the
+chance a draft sample is accepted) and lambda = exp(-3 alpha) (held constant in the gradient),
+lambda * KL(p || q) + (1 - lambda) * TV(p, q), TV = 1 - alpha: KL while the draft is far off,
+total variation as it nears the target.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from eagle3_jax.model.params import Params
 STEP_WEIGHT_DECAY = 0.8
 # loss_mask alignment -> offset of the mask read at step i, index t: m_{t + offset + i}.
 LOSS_MASK_OFFSETS = {"predicted": 2, "reference": 0}
+OBJECTIVES = ("kl", "lk")
 
 
 @struct.dataclass
@@ -67,12 +75,14 @@ def ttt_forward(
     return_logits: bool = False,
     loss_mask: str = "predicted",
     hit_ranks: int = 0,
+    objective: str = "kl",
 ):
     """Run K = cfg.ttt_steps draft steps over a batch.
 
     ``loss_mask``: "predicted" or "reference", which mask position weighs a step (module doc).
     ``hit_ranks``: R > 0 also measures top-r hit rates, r = 1..R (what the tree chooser models
     a tree from: how often the target's token is among the draft's r best at each depth).
+    ``objective``: "kl" or "lk", the per-position loss (module doc).
 
     Returns:
       (loss scalar, metrics dict with ``loss_per_step`` [K], ``acc_per_step`` [K],
@@ -82,6 +92,8 @@ def ttt_forward(
     """
     if loss_mask not in LOSS_MASK_OFFSETS:
         raise ValueError(f"loss_mask must be one of {sorted(LOSS_MASK_OFFSETS)}, got {loss_mask!r}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     mask_offset = LOSS_MASK_OFFSETS[loss_mask]
     k_steps = cfg.ttt_steps
     b, t = batch.tokens.shape
@@ -139,7 +151,7 @@ def ttt_forward(
         weight = (shifted(loss_mask_p, i + mask_offset) & shifted(in_draft_p, i + 1) & same_doc
                   & (seg > 0)).astype(jnp.float32)
         logq = jax.nn.log_softmax(logits, axis=-1)
-        per_pos = -jnp.sum(jnp.exp(label_logp) * logq, axis=-1)  # [B, T]
+        per_pos = position_loss(label_logp, logq, objective)  # [B, T]
         n_scored = jnp.sum(weight)
         loss_i = jnp.sum(per_pos * weight) / jnp.maximum(n_scored, 1.0)
         label = jnp.argmax(label_logp, -1)
@@ -165,3 +177,16 @@ def ttt_forward(
     if return_logits:
         metrics["logits"] = logits
     return jnp.sum(weights * losses), metrics
+
+
+def position_loss(target_logp: jax.Array, draft_logq: jax.Array, objective: str) -> jax.Array:
+    """Per-position loss [...] of the draft's log-probabilities against the target's, both
+    [..., Vd] (module doc): "kl" the cross-entropy, "lk" the LK hybrid."""
+    p = jnp.exp(target_logp)
+    cross_entropy = -jnp.sum(p * draft_logq, axis=-1)
+    if objective == "kl":
+        return cross_entropy
+    entropy = -jnp.sum(jnp.where(p > 0, p * target_logp, 0.0), axis=-1)
+    alpha = jnp.sum(jnp.minimum(p, jnp.exp(draft_logq)), axis=-1)
+    lam = jax.lax.stop_gradient(jnp.exp(-3.0 * alpha))
+    return lam * (cross_entropy - entropy) + (1.0 - lam) * (1.0 - alpha)

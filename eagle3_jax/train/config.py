@@ -25,7 +25,7 @@ from typing import Any, Collection, Mapping, Sequence
 import optax
 import yaml
 
-from eagle3_jax.draft.ttt import LOSS_MASK_OFFSETS
+from eagle3_jax.draft.ttt import LOSS_MASK_OFFSETS, OBJECTIVES
 from eagle3_jax.model.config import ConfigError
 from eagle3_jax.sharding import MeshConfig, MeshError
 
@@ -113,6 +113,7 @@ class TrainConfig:
     dtype: str = "float32"  # the target's parameter dtype (the draft's master weights: float32)
     compute_dtype: str | None = None  # the draft's compute dtype; None = dtype
     loss_mask: str = "predicted"  # "predicted" or "reference" (eagle3_jax.draft.ttt)
+    objective: str = "kl"  # per-position loss: "kl" (reference) or "lk" (eagle3_jax.draft.ttt)
     progress: bool = True  # tqdm progress bar
 
     def __post_init__(self):
@@ -135,6 +136,10 @@ class TrainConfig:
             raise ConfigError("train config: loss_mask must be 'predicted' (the mask of the "
                               "token each step predicts) or 'reference' (the reference "
                               f"implementation's alignment), got {self.loss_mask!r}")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"train config: objective must be one of {list(OBJECTIVES)} "
+                              f"('kl': cross-entropy as the reference; 'lk': the LK hybrid), "
+                              f"got {self.objective!r}")
         if self.target_sharding not in ("serving", "training"):
             raise ConfigError("train config: target_sharding must be 'serving' or 'training', "
                               f"got {self.target_sharding!r}")

@@ -423,12 +423,13 @@ def _setup(cfg: TrainConfig, target_override: TargetOverride | None = None,
     step_fn = jax.jit(
         functools.partial(train_step, make_inputs=make_inputs, draft_cfg=draft_cfg,
                           optimizer=optimizer, compute_dtype=cfg.draft_compute_dtype,
-                          loss_mask=cfg.loss_mask),
+                          loss_mask=cfg.loss_mask, objective=cfg.objective),
         in_shardings=(state_sh, frozen_sh, replicated, batch_sh),
         out_shardings=(state_sh, replicated), donate_argnums=(0,))
     eval_fn = jax.jit(
         functools.partial(eval_step, make_inputs=make_inputs, draft_cfg=draft_cfg,
-                          compute_dtype=cfg.draft_compute_dtype, loss_mask=cfg.loss_mask),
+                          compute_dtype=cfg.draft_compute_dtype, loss_mask=cfg.loss_mask,
+                          objective=cfg.objective),
         in_shardings=(state_sh.params, frozen_sh, replicated, eval_batch_sh),
         out_shardings=replicated)
     run = TrainSetup(cfg=cfg, out_dir=out_dir, draft_cfg=draft_cfg, frozen=frozen, vocab=vocab,

@@ -48,7 +48,8 @@ def _cast(params: Params, compute_dtype: str | None, draft_cfg: DraftConfig) -> 
 def train_step(state: TrainState, frozen: Params, vocab: VocabMap,
                batch: dict[str, jax.Array], *, make_inputs: MakeInputs,
                draft_cfg: DraftConfig, optimizer: optax.GradientTransformation,
-               compute_dtype: str | None = None, loss_mask: str = "predicted"):
+               compute_dtype: str | None = None, loss_mask: str = "predicted",
+               objective: str = "kl"):
     """One optimiser step over ``batch`` of shape [A, B, T, ...] (A micro-batches accumulated).
 
     Args:
@@ -57,6 +58,7 @@ def train_step(state: TrainState, frozen: Params, vocab: VocabMap,
       compute_dtype: the dtype the draft computes in (params are cast to it for the forward;
         the master params and the optimiser moments keep theirs, float32 in training).
       loss_mask: "predicted" or "reference" (``eagle3_jax.draft.ttt``).
+      objective: "kl" or "lk", the per-position loss (``eagle3_jax.draft.ttt``).
     Returns (new_state, metrics) with the weighted loss and per-step loss / accuracy averaged
     over micro-batches.
     """
@@ -65,7 +67,7 @@ def train_step(state: TrainState, frozen: Params, vocab: VocabMap,
     def micro_loss(params, micro):
         ttt = make_inputs(frozen, vocab, micro)
         return ttt_forward(_cast(params, compute_dtype, draft_cfg), draft_cfg, embed, ttt,
-                           loss_mask=loss_mask)
+                           loss_mask=loss_mask, objective=objective)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -96,11 +98,12 @@ def train_step(state: TrainState, frozen: Params, vocab: VocabMap,
 def eval_step(params: Params, frozen: Params, vocab: VocabMap, batch: dict[str, jax.Array],
               *, make_inputs: MakeInputs, draft_cfg: DraftConfig,
               compute_dtype: str | None = None, loss_mask: str = "predicted",
-              hit_ranks: int = EVAL_HIT_RANKS):
+              hit_ranks: int = EVAL_HIT_RANKS, objective: str = "kl"):
     """Held-out loss, per-step accuracy and per-step top-1..``hit_ranks`` hit rates
     (``hits_per_step`` [K, R]) on one [B, T, ...] batch (no update)."""
     ttt = make_inputs(frozen, vocab, batch)
     loss, metrics = ttt_forward(_cast(params, compute_dtype, draft_cfg), draft_cfg,
-                                frozen["embed"], ttt, loss_mask=loss_mask, hit_ranks=hit_ranks)
+                                frozen["embed"], ttt, loss_mask=loss_mask, hit_ranks=hit_ranks,
+                                objective=objective)
     metrics["loss"] = loss
     return metrics
