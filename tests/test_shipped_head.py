@@ -4,6 +4,7 @@ model card from a training run's records."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -133,3 +134,48 @@ def test_export_writes_acceptance_and_a_card_from_the_run(tmp_path):
     card = (out / "README.md").read_text()
     assert card.startswith("# A test head") and "ten random rows" in card
     assert "| depth | top-1 | top-2 | top-4 | top-10 |" in card and "make head" in card
+
+
+def test_a_new_run_starts_from_a_committed_head(tmp_path):
+    """init_head: a new run's weights and vocabulary are the head's (one step in warm-up, whose
+    first learning rate is 0, leaves them as they were); a resumed run keeps its own; a head of
+    another target is refused in one line."""
+    from eagle3_jax.draft.load import read_run_head
+    from eagle3_jax.model.config import ConfigError
+    from eagle3_jax.model.params import init_params
+    from eagle3_jax.train.config import OptimizerConfig, TrainConfig
+    from eagle3_jax.train.loop import TargetOverride, train
+    from test_export import VD, V, target_cfg
+
+    tcfg = target_cfg()
+    override = TargetOverride(tcfg, init_params(tcfg, jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    records = [{"input_ids": rng.integers(0, V, 20).astype(np.int32),
+                "loss_mask": np.ones(20, bool)} for _ in range(16)]
+    common = dict(target="tiny", max_len=16, batch_size=8, ttt_steps=2, draft_vocab_size=VD,
+                  save_every=1, eval_batches=0, progress=False)
+    first = tmp_path / "first"
+    train(TrainConfig(out_dir=str(first), total_steps=2, **common), target_override=override,
+          train_records=records)
+    head, _ = read_run_head(first)
+    folder = export_draft_head(head, tmp_path / "head")
+    second = tmp_path / "second"
+    cfg = TrainConfig(out_dir=str(second), total_steps=1, init_head=str(folder), seed=5,
+                      optimizer=OptimizerConfig(warmup_steps=5), **common)
+    train(cfg, target_override=override, train_records=records)
+    started, _ = read_run_head(second)
+    for name, value in head.params.items():
+        np.testing.assert_array_equal(started.params[name], value, err_msg=name)
+    np.testing.assert_array_equal(started.vocab.t2d, head.vocab.t2d)
+    # Resuming the second run: its own checkpoint, not the head (which now differs from it).
+    other = export_draft_head(read_run_head(first, 1)[0], tmp_path / "other")
+    train(dataclasses.replace(cfg, init_head=str(other), total_steps=2),
+          target_override=override, train_records=records)
+    assert read_run_head(second)[1] == 2
+    with pytest.raises(ConfigError, match="init_head='/nope' is neither"):
+        train(TrainConfig(out_dir=str(tmp_path / "x"), total_steps=1, init_head="/nope",
+                          **common), target_override=override, train_records=records)
+    wide = export_draft_head(random_head(TINY, 200), tmp_path / "wide")  # another target's
+    with pytest.raises(ConfigError, match="does not fit the target"):
+        train(TrainConfig(out_dir=str(tmp_path / "y"), total_steps=1, init_head=str(wide),
+                          **common), target_override=override, train_records=records)

@@ -82,6 +82,11 @@ class TrainConfig:
     draft_vocab: a draft-vocabulary file (d2t/t2d); None -> identity when draft_vocab_size
       equals the target vocabulary, else built from the training records (or the training
       features' input_ids / loss_mask).
+    init_head: a released-format head folder, or ``builtin:NAME`` (a shipped head): a *new*
+      run starts from its weights and draft vocabulary (optimiser state fresh, step 0), so
+      training can continue from a committed head after the run folder is gone. It must have
+      this run's architecture; draft_vocab, if set too, must be the same vocabulary. A run that
+      resumes from its own checkpoint ignores it.
     batch_size: global sequences per micro-batch; each optimiser step sees grad_accum of them.
     """
 
@@ -93,6 +98,7 @@ class TrainConfig:
     train_features: str | None = None  # offline mode: a features folder (see above)
     eval_features: str | None = None
     draft_vocab: str | None = None
+    init_head: str | None = None  # start a new run from this head's weights (see above)
     draft_vocab_size: int = 32000
     max_len: int = 2048
     batch_size: int = 8
@@ -268,6 +274,10 @@ def check_paths(cfg: TrainConfig, *, skip: Collection[str] = ()) -> None:
     if "draft_vocab" not in skip:
         _check_file("draft_vocab", cfg.draft_vocab,
                     "a vocabulary .npz from `python -m eagle3_jax.data vocab`, or null to build one")
+    if cfg.init_head is not None and init_head_path(cfg.init_head) is None:
+        raise ConfigError(f"train config: init_head={cfg.init_head!r} is neither a released "
+                          "EAGLE-3 head folder (config.json + model.safetensors) nor a shipped "
+                          "head (builtin:NAME); set init_head= to one, or null")
     out = Path(cfg.out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"train config: out_dir={cfg.out_dir!r} is a file; set out_dir= to a "
@@ -391,3 +401,14 @@ def _coerce(hint: Any, value: Any, key: str, source: str) -> Any:
             raise bad
         return str(value)
     return value
+
+
+def init_head_path(value: str) -> Path | None:
+    """The folder ``init_head`` names (a path, or builtin:NAME), or None if there is none."""
+    from eagle3_jax.draft.shipped import builtin_head_path
+    from eagle3_jax.presets import BUILTIN_PREFIX
+
+    if value.startswith(BUILTIN_PREFIX):
+        return builtin_head_path(value)
+    folder = Path(value)
+    return folder if (folder / "config.json").is_file() else None

@@ -183,16 +183,25 @@ def split_records(cfg: TrainConfig, train_records, eval_records):
     return _Slice(train_records, 0, n - held), _Slice(train_records, n - held, n)
 
 
-def resolve_vocab(cfg: TrainConfig, tcfg: TargetConfig, out_dir: Path, train_records) -> VocabMap:
+def resolve_vocab(cfg: TrainConfig, tcfg: TargetConfig, out_dir: Path, train_records,
+                  init_vocab: VocabMap | None = None) -> VocabMap:
     """The run's draft vocabulary; written to ``out_dir/draft_vocab.npz`` so resume reuses it.
 
     ``train_records``: any random-access source of {input_ids, loss_mask} (token records or
-    FeatureShards), read only when the vocabulary is built here."""
+    FeatureShards), read only when the vocabulary is built here. ``init_vocab``: the vocabulary
+    of the head a new run starts from (``init_head``), which it must keep."""
     from eagle3_jax.data import build_draft_vocab, load_vocab_map, save_vocab
 
     saved = out_dir / VOCAB_FILE
     if saved.is_file():
         vocab = load_vocab_map(saved)
+    elif init_vocab is not None:
+        if cfg.draft_vocab is not None and not np.array_equal(
+                np.asarray(load_vocab_map(cfg.draft_vocab).t2d), np.asarray(init_vocab.t2d)):
+            raise ConfigError(f"train config: init_head={cfg.init_head!r} has its own draft "
+                              f"vocabulary, not the one in draft_vocab={cfg.draft_vocab!r}; "
+                              "set draft_vocab=null to keep the head's")
+        vocab = init_vocab
     elif cfg.draft_vocab is not None:
         vocab = load_vocab_map(cfg.draft_vocab)
     elif cfg.draft_vocab_size >= tcfg.vocab_size:
@@ -343,12 +352,33 @@ def _load_data(cfg: TrainConfig, train_records, eval_records):
     return train_records, eval_records, features
 
 
+def _init_head(cfg: TrainConfig, tcfg: TargetConfig, ckpt: TrainCheckpointer):
+    """The head a new run starts from (``cfg.init_head``), or None (none named, or resuming)."""
+    if cfg.init_head is None or ckpt.latest_step() is not None:
+        return None
+    from eagle3_jax.draft.load import load_head
+    from eagle3_jax.train.config import init_head_path
+
+    head = load_head(init_head_path(cfg.init_head), tcfg).head
+    log.info("new run: starting from the head %s", cfg.init_head)
+    return head
+
+
 def _restore_or_create(cfg: TrainConfig, ckpt: TrainCheckpointer, draft_cfg: DraftConfig,
                        optimizer: optax.GradientTransformation, shapes: TrainState,
-                       state_sh: TrainState, data_iter) -> tuple[TrainState, bool]:
+                       state_sh: TrainState, data_iter, init=None) -> tuple[TrainState, bool]:
     """(the latest checkpoint's state, restoring ``data_iter`` in place | a fresh state created
-    sharded, resumed?)."""
+    sharded, from the ``init`` head's weights if given, resumed?)."""
     resume_step = ckpt.latest_step()
+    if resume_step is None and init is not None:
+        same = dataclasses.replace(init.cfg, ttt_steps=draft_cfg.ttt_steps, dtype=draft_cfg.dtype)
+        if same != draft_cfg:
+            raise ConfigError(f"train config: init_head={cfg.init_head!r} has the architecture "
+                              f"{init.cfg.to_dict()}, this run builds {draft_cfg.to_dict()}")
+        params = jax.tree.map(lambda x: x.astype(MASTER_DTYPE), init.params)
+        create = jax.jit(lambda key, p: TrainState.create(p, optimizer, key),
+                         out_shardings=state_sh)
+        return create(jax.random.key(cfg.seed), params), False
     if resume_step is None:
         create = jax.jit(functools.partial(_create_state, draft_cfg, optimizer),
                          out_shardings=state_sh)
@@ -387,7 +417,10 @@ def _setup(cfg: TrainConfig, target_override: TargetOverride | None = None,
         # DraftConfig.for_target taps the target's eagle3_tap_layers (asserted below); checked
         # before the vocabulary is counted from the features.
         check_features(features, tcfg, tcfg.eagle3_tap_layers)
-    vocab = resolve_vocab(cfg, tcfg, out_dir, train_records)
+    ckpt = TrainCheckpointer(out_dir / CHECKPOINT_DIR, max_to_keep=cfg.keep_checkpoints)
+    init = _init_head(cfg, tcfg, ckpt)
+    vocab = resolve_vocab(cfg, tcfg, out_dir, train_records,
+                          init.vocab if init is not None else None)
     draft_cfg = DraftConfig.for_target(tcfg, draft_vocab_size=int(vocab.d2t.shape[0]),
                                        ttt_steps=cfg.ttt_steps, dtype=MASTER_DTYPE)
     if features is not None:
@@ -415,9 +448,8 @@ def _setup(cfg: TrainConfig, target_override: TargetOverride | None = None,
         train_records, batch_size=cfg.batch_size * cfg.grad_accum, max_len=cfg.max_len,
         seed=cfg.seed, shuffle=cfg.shuffle, pack=cfg.pack,
         shard_index=jax.process_index(), shard_count=jax.process_count())
-    ckpt = TrainCheckpointer(out_dir / CHECKPOINT_DIR, max_to_keep=cfg.keep_checkpoints)
     state, resumed = _restore_or_create(cfg, ckpt, draft_cfg, optimizer, shapes, state_sh,
-                                        data_iter)
+                                        data_iter, init)
     (out_dir / "train_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
     step_fn = jax.jit(
