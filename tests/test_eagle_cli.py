@@ -238,3 +238,38 @@ def test_bench_speed_json(tmp_path, capsys):
     assert result["config"]["tree"] == {"tree_top_k": 2, "depth": 3, "total_tokens": 8}
     assert "| mt_bench |" in captured.out
     assert out.with_suffix(".md").is_file() and out.with_suffix(".png").stat().st_size > 0
+
+
+def test_bench_speed_times_hf_transformers_beside(tmp_path, capsys, monkeypatch):
+    """--hf times HF's greedy generate on every prompt beside ours (here a stand-in model that
+    answers with 5 fixed tokens: the plumbing, not the speed) and reports the ratio."""
+    import torch
+
+    from eagle3_jax.bench import forward as bench_forward
+    from eagle3_jax.bench.speed import main as speed_main
+
+    calls = []
+
+    class FakeHF:
+        def generate(self, input_ids, **kw):
+            calls.append((input_ids.shape[1], kw["max_new_tokens"], kw["do_sample"]))
+            return torch.cat([input_ids, torch.full((1, 5), 65)], dim=1)
+
+    monkeypatch.setattr(bench_forward, "load_hf_reference", lambda path: FakeHF())
+    cfg = TargetConfig(**{**TINY.to_dict(), "max_position_embeddings": 1024})
+    target = types.SimpleNamespace(cfg=cfg, params=to_serving(
+                                       init_params(cfg, jax.random.key(3), scale=0.3), cfg),
+                                   tokenizer=ByteTokenizer(), source="tiny-random",
+                                   weights=tmp_path / "model.gguf")
+    head = export_draft_head(random_head(cfg, 200, seed=4), tmp_path / "head")
+    out = tmp_path / "speed.json"
+    code = speed_main(["--tasks", "gsm8k", "--num-prompts", "2", "--max-new-tokens", "8",
+                       "--draft", str(head), "--out", str(out), "--hf", "--no-plot",
+                       *TREE_ARGS], load_fn=lambda _: target)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    row = json.loads(out.read_text())["tasks"]["gsm8k"]
+    assert len(calls) == 2 and all(c[1:] == (8, False) for c in calls)
+    assert row["tokens_per_s_hf"] > 0
+    assert row["speedup_vs_hf"] == pytest.approx(row["tokens_per_s_eagle"] / row["tokens_per_s_hf"])
+    assert "eagle vs HF" in captured.out

@@ -10,6 +10,8 @@ with turn 1 and its answer in context. Reported per task (reference §5, §7):
   * ``accept_by_depth``: fraction of rounds accepting at least d draft tokens, d = 1..depth;
   * ``tokens_per_s_vanilla`` / ``tokens_per_s_eagle``: medians over prompts (and turns) of
     new tokens / seconds; ``speedup``: their ratio;
+  * with ``--hf``: ``tokens_per_s_hf``, HF transformers float32 greedy ``generate`` on the same
+    prompt (interleaved), and ``speedup_vs_hf``;
   * ``identical``: every EAGLE answer equals the plain one token for token (it must, greedy;
     None with ``--temperature`` > 0, where both sample).
 
@@ -63,13 +65,29 @@ def _timed(decoder, ids: list[int], warm: set, name: str, repeats: int):
     return gens[0], statistics.median(g.seconds for g in gens)
 
 
+def _hf_generate(model, ids: list[int], max_new_tokens: int, eos: tuple[int, ...],
+                 pad_id: int) -> tuple[int, float]:
+    """(new tokens, seconds) of HF transformers greedy ``generate`` on one prompt."""
+    import torch
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=list(eos), pad_token_id=pad_id)
+    seconds = time.perf_counter() - start
+    new = out[0, len(ids):].tolist()
+    return len([t for t in new if t not in eos]), seconds
+
+
 def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
              repeats: int = 1, warm: set | None = None,
-             log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Decode every turn with both decoders, interleaved; the task's row of the report."""
+             log: Callable[[str], None] = lambda s: None, hf_model=None,
+             max_new_tokens: int = 0) -> dict[str, Any]:
+    """Decode every turn with both decoders (and HF transformers when ``hf_model`` is given),
+    interleaved; the task's row of the report."""
     tok = target.tokenizer
     warm = set() if warm is None else warm
-    speeds: dict[str, list[float]] = {"vanilla": [], "eagle": []}
+    speeds: dict[str, list[float]] = {"vanilla": [], "eagle": [], "hf": []}
     tokens = rounds = turns = 0
     hist = [0] * (depth + 2)
     # Greedy EAGLE must equal plain decoding; sampled answers differ by design (None).
@@ -83,6 +101,10 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
             spec, t_spec = _timed(decoders["eagle"], ids, warm, "eagle", repeats)
             speeds["vanilla"].append(len(plain.token_ids) / max(t_plain, 1e-9))
             speeds["eagle"].append(len(spec.token_ids) / max(t_spec, 1e-9))
+            if hf_model is not None:
+                n, seconds = _hf_generate(hf_model, ids, max_new_tokens, tok.eos_token_ids,
+                                          tok.pad_token_id)
+                speeds["hf"].append(n / max(seconds, 1e-9))
             if identical is not None:
                 identical &= plain.token_ids == spec.token_ids
             tokens += len(spec.token_ids)
@@ -98,7 +120,10 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
     total = max(sum(hist), 1)
     vanilla = statistics.median(speeds["vanilla"])
     eagle = statistics.median(speeds["eagle"])
+    hf = {"tokens_per_s_hf": statistics.median(speeds["hf"]),
+          "speedup_vs_hf": eagle / statistics.median(speeds["hf"])} if speeds["hf"] else {}
     return {
+        **hf,
         "tau": mean_accept_length(hist),
         # hist[j]: rounds that emitted j tokens = accepted j - 1 drafts.
         "accept_by_depth": [sum(hist[d + 1:]) / total for d in range(1, depth + 1)],
@@ -112,13 +137,18 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
 def report_table(tasks: dict[str, dict], mean: dict) -> str:
     from eagle3_jax.bench.common import markdown_table
 
-    rows = [(name, r["tau"], " / ".join(f"{a:.2f}" for a in r["accept_by_depth"]),
-             r["tokens_per_s_vanilla"], r["tokens_per_s_eagle"], f"{r['speedup']:.2f}x",
-             {True: "yes", False: "NO", None: "(sampled)"}[r["identical"]])
-            for name, r in tasks.items()]
-    rows.append(("mean", mean["tau"], "", "", "", f"{mean['speedup']:.2f}x", ""))
+    with_hf = all("tokens_per_s_hf" in r for r in tasks.values())
+    rows = []
+    for name, r in tasks.items():
+        hf = (r["tokens_per_s_hf"], f"{r['speedup_vs_hf']:.2f}x") if with_hf else ()
+        rows.append((name, r["tau"], " / ".join(f"{a:.2f}" for a in r["accept_by_depth"]),
+                     r["tokens_per_s_vanilla"], r["tokens_per_s_eagle"], f"{r['speedup']:.2f}x",
+                     *hf, {True: "yes", False: "NO", None: "(sampled)"}[r["identical"]]))
+    hf_mean = ("", f"{mean['speedup_vs_hf']:.2f}x") if with_hf else ()
+    rows.append(("mean", mean["tau"], "", "", "", f"{mean['speedup']:.2f}x", *hf_mean, ""))
+    hf_cols = ["HF float32 tok/s", "eagle vs HF"] if with_hf else []
     return markdown_table(["task", "tau", "accepted >= d drafts (d = 1..)", "vanilla tok/s",
-                           "eagle tok/s", "speed-up", "identical"], rows)
+                           "eagle tok/s", "speed-up", *hf_cols, "identical"], rows)
 
 
 def plot(path: Path, tasks: dict[str, dict], title: str) -> None:
@@ -161,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--total-tokens", default=None, help="a number or 'auto'")
     p.add_argument("--accept-rates", default=None, metavar="A1,A2,...")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and mode")
+    p.add_argument("--hf", action="store_true",
+                   help="also time HF transformers float32 greedy generate on the same prompts "
+                        "(interleaved; needs torch)")
     p.add_argument("--out", default="bench_speed.json")
     p.add_argument("--no-plot", action="store_true")
     return p
@@ -212,6 +245,13 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
         first = target.tokenizer.apply_chat_template(
             [{"role": "user", "content": questions[tasks[0]][0][0]}], add_generation_prompt=True)
         tree = autotune(target, loaded, len(first), args.tree_top_k, args.depth, rates).tree
+    hf_model = None
+    if args.hf:
+        if args.temperature != 0:
+            raise UsageError("--hf times greedy decoding; drop --temperature")
+        from eagle3_jax.bench.forward import load_hf_reference
+
+        hf_model = load_hf_reference(Path(str(target.weights)))
     cache = CompileCache(log)
     decoders = {"vanilla": PlainDecoder(target, sampling, args.max_new_tokens, 0,
                                         compile_cache=cache),
@@ -224,9 +264,11 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
     for task in tasks:
         log(f"[{task}: {len(questions[task])} prompts]")
         results[task] = run_task(questions[task], target, decoders, tree.depth, args.repeats,
-                                 warm, log)
+                                 warm, log, hf_model, args.max_new_tokens)
     mean = {"tau": statistics.mean(r["tau"] for r in results.values()),
             "speedup": statistics.mean(r["speedup"] for r in results.values())}
+    if hf_model is not None:
+        mean["speedup_vs_hf"] = statistics.mean(r["speedup_vs_hf"] for r in results.values())
     config = {"target": str(target.source), "draft": description,
               "tree": {"tree_top_k": tree.tree_top_k, "depth": tree.depth,
                        "total_tokens": tree.total_tokens},
