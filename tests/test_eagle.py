@@ -69,6 +69,19 @@ def test_greedy_equals_plain_greedy(models, tree):
     np.testing.assert_array_equal(out.num_generated, plain.num_generated)
 
 
+def test_eagle31_head_greedy_equals_plain_greedy():
+    """An EAGLE-3.1 head (tap norms, normed recurrent feature) through the whole decoder."""
+    cfg, params, head = make_models(seed=1)
+    dcfg = dataclasses.replace(head.cfg, fc_norm=True, norm_output=True)
+    head = DraftHead(params=init_draft_params(dcfg, jax.random.key(5), scale=0.3),
+                     vocab=head.vocab, cfg=dcfg)
+    tokens, lengths = _prompts([13, 5], cfg.vocab_size)
+    plain = generate(params, cfg, tokens, lengths, max_new_tokens=24)
+    out = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=24,
+                         tree=TREES["wide"])
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+
+
 def test_each_row_equals_its_batch_of_one(models):
     cfg, params, head = models
     tokens, lengths = _prompts([11, 4, 7], cfg.vocab_size, seed=5)
@@ -253,7 +266,7 @@ def test_commit_equals_recomputing_the_caches(models):
         # The draft cache equals a draft prefill over the same context from scratch.
         nxt = jnp.asarray(np.append(committed[1:], emitted[-1]))[None]
         _, _, dk, _ = _jit_draft_step(head.params, head.cfg, params["embed"][nxt],
-                                        fuse_taps(head.params, ref.taps), jnp.arange(end)[None],
+                                        fuse_taps(head.params, head.cfg, ref.taps), jnp.arange(end)[None],
                                         causal_mask(jnp.zeros((1,), jnp.int32), end, 64),
                                         *empty_draft_cache(head.cfg, 1, 64), jnp.arange(end)[None])
         np.testing.assert_allclose(state.draft_k[b, ..., :end], dk[0, ..., :end], atol=2e-5)

@@ -27,8 +27,9 @@ def target_cfg(**changes):
     return TargetConfig(**fields)
 
 
-def make_head(draft_vocab=VD, seed=0) -> DraftHead:
-    cfg = DraftConfig.for_target(target_cfg(), draft_vocab_size=draft_vocab, rope_theta=500.0)
+def make_head(draft_vocab=VD, seed=0, **overrides) -> DraftHead:
+    cfg = DraftConfig.for_target(target_cfg(), draft_vocab_size=draft_vocab, rope_theta=500.0,
+                                 **overrides)
     keys = jax.random.split(jax.random.key(seed), 3)
     params = init_draft_params(cfg, keys[0], scale=0.2)
     # Norm scales away from 1 so that a swapped norm would show.
@@ -65,6 +66,23 @@ def test_roundtrip_is_identity(tmp_path):
         np.testing.assert_array_equal(loaded.params[name], value, err_msg=name)
     np.testing.assert_array_equal(loaded.vocab.d2t, head.vocab.d2t)
     np.testing.assert_array_equal(loaded.vocab.t2d, head.vocab.t2d)
+
+
+def test_eagle31_head_roundtrips_with_its_flags_and_tap_norms(tmp_path):
+    head = make_head(fc_norm=True, norm_output=True)
+    export_draft_head(head, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    assert read_safetensors(tmp_path / "model.safetensors")["fc_norm.weight"].shape == (3, D)
+    loaded = load_draft_head(tmp_path, target_cfg())
+    assert loaded.cfg == head.cfg
+    for name, value in head.params.items():
+        np.testing.assert_array_equal(loaded.params[name], value, err_msg=name)
+    # An EAGLE-3 head's config names neither flag, and loads as EAGLE-3.
+    export_draft_head(make_head(), tmp_path / "plain")
+    plain = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert "fc_norm" not in plain and "norm_output" not in plain
+    assert not load_draft_head(tmp_path / "plain", target_cfg()).cfg.norm_output
 
 
 def test_bfloat16_export(tmp_path):
@@ -136,7 +154,7 @@ def test_exported_file_matches_torch_reference(tmp_path):
     positions = np.arange(t) + 3
 
     # Ours: fc then one cached draft step over an empty cache of t slots.
-    g = fuse_taps(head.params, jnp.asarray(taps)[None])
+    g = fuse_taps(head.params, head.cfg, jnp.asarray(taps)[None])
     mask = jnp.tril(jnp.ones((t, t), bool))[None]
     hid, logits, _, _ = draft_step_cached(head.params, head.cfg, jnp.asarray(embeds)[None], g,
                                           jnp.asarray(positions)[None], mask,

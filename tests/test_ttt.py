@@ -18,10 +18,10 @@ from eagle3_jax.model.layers import attention
 B, T, V, VD, D = 2, 10, 64, 40, 32
 
 
-def _setup(steps=4, kv_heads=2, seed=0):
+def _setup(steps=4, kv_heads=2, seed=0, eagle31=False):
     cfg = DraftConfig(hidden_size=D, intermediate_size=48, num_heads=4, num_kv_heads=kv_heads,
                       head_dim=8, vocab_size=V, draft_vocab_size=VD, tap_layers=(1, 2, 3),
-                      ttt_steps=steps)
+                      ttt_steps=steps, fc_norm=eagle31, norm_output=eagle31)
     keys = jax.random.split(jax.random.key(seed), 8)
     params = init_draft_params(cfg, keys[0], scale=0.3)
     params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(keys[1], x.shape), params)
@@ -48,7 +48,11 @@ def _unrolled_reference(params, cfg, embed, batch, loss_mask="predicted", with_w
     offset = {"predicted": 2, "reference": 0}[loss_mask]
     k_steps = cfg.ttt_steps
     tokens, seg = np.asarray(batch.tokens), np.asarray(batch.segment_ids)
-    g = fuse_taps(params, batch.taps)
+    rms = lambda x, w: x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps) * w  # noqa: E731
+    taps = batch.taps
+    if cfg.fc_norm:  # EAGLE-3.1: each tap normed by its own scale before fc
+        taps = rms(taps.reshape(B, T, 3, D), params["fc_norm"]).reshape(B, T, 3 * D)
+    g = taps @ params["fc"]
     keys, values, logits_all, losses, weights, labels = [], [], [], [], [], []
     idx = np.arange(T)
     for i in range(k_steps):
@@ -63,8 +67,9 @@ def _unrolled_reference(params, cfg, embed, batch, loss_mask="predicted", with_w
         causal &= seg[:, :, None] > 0
         diag = np.broadcast_to(np.eye(T, dtype=bool), (B, T, T))
         mask = np.concatenate([causal] + [diag] * i, axis=-1)
-        g = finish_layer(params, cfg, g, attention(q, [(all_k, all_v, jnp.asarray(mask))]))
-        logits = draft_logits(params, cfg, g)
+        h = finish_layer(params, cfg, g, attention(q, [(all_k, all_v, jnp.asarray(mask))]))
+        logits = draft_logits(params, cfg, h)
+        g = rms(h, params["final_norm"]) if cfg.norm_output else h  # EAGLE-3.1 feeds back normed
         logits_all.append(logits)
         # Labels and weights shifted as the reference shifts them.
         def shift(x, by, fill):
@@ -86,10 +91,13 @@ def _unrolled_reference(params, cfg, embed, batch, loss_mask="predicted", with_w
     return total, jnp.stack(losses), jnp.stack(logits_all)
 
 
-@pytest.mark.parametrize("kv_heads,loss_mask", [(1, "predicted"), (2, "predicted"),
-                                                (4, "predicted"), (2, "reference")])
-def test_scan_equals_unrolled_reference(kv_heads, loss_mask):
-    cfg, params, embed, batch = _setup(kv_heads=kv_heads)
+@pytest.mark.parametrize("kv_heads,loss_mask,eagle31", [
+    (1, "predicted", False), (2, "predicted", False), (4, "predicted", False),
+    (2, "reference", False), (2, "predicted", True)])
+def test_scan_equals_unrolled_reference(kv_heads, loss_mask, eagle31):
+    cfg, params, embed, batch = _setup(kv_heads=kv_heads, eagle31=eagle31)
+    if eagle31:  # scales away from 1, so a missing norm shows
+        params = {**params, "fc_norm": params["fc_norm"] * jnp.array([[0.5], [1.0], [2.0]])}
     loss, metrics = jax.jit(lambda p, b: ttt_forward(p, cfg, embed, b, return_logits=True,
                                                      loss_mask=loss_mask))(params, batch)
     ref_total, ref_losses, ref_logits = _unrolled_reference(params, cfg, embed, batch,
@@ -131,9 +139,10 @@ def test_gradients_equal_unrolled_reference():
         np.testing.assert_allclose(g_scan[name], g_ref[name], atol=1e-6, rtol=1e-4, err_msg=name)
 
 
-def test_training_logits_equal_inference_step_by_step():
+@pytest.mark.parametrize("eagle31", [False, True])
+def test_training_logits_equal_inference_step_by_step(eagle31):
     """Depth-i node at inference (context + ancestors in the draft KV cache) == TTT step i."""
-    cfg, params, embed, batch = _setup(steps=4)
+    cfg, params, embed, batch = _setup(steps=4, eagle31=eagle31)
     _, metrics = ttt_forward(params, cfg, embed, batch, return_logits=True)
     train_logits = np.asarray(metrics["logits"])  # [K, B, T, Vd]
     tokens = np.asarray(batch.tokens)
@@ -145,7 +154,7 @@ def test_training_logits_equal_inference_step_by_step():
     cache_k, cache_v = empty_draft_cache(cfg, 1, slots)
     mask0 = np.zeros((1, T, slots), bool)
     mask0[0, :, :T] = np.tril(np.ones((T, T), bool))
-    g0 = fuse_taps(params, batch.taps[row:row + 1])
+    g0 = fuse_taps(params, cfg, batch.taps[row:row + 1])
     h0, logits0, cache_k, cache_v = draft_step_cached(
         params, cfg, embed[ctx_tok], g0, jnp.arange(T)[None], jnp.asarray(mask0), cache_k,
         cache_v, jnp.arange(T)[None])

@@ -78,7 +78,7 @@ def _draft_extend(head: DraftHead, embed, taps, next_tokens, count, draft_k, dra
     b, w = next_tokens.shape
     positions = end[:, None] + jnp.arange(w)[None, :]
     mask = causal_mask(end, w, draft_v.shape[2])
-    g = fuse_taps(head.params, taps)
+    g = fuse_taps(head.params, head.cfg, taps)
     h, logits, draft_k, draft_v = draft_step_cached(
         head.params, head.cfg, jnp.take(embed, jnp.maximum(next_tokens, 0), axis=0), g,
         positions, mask, draft_k, draft_v, positions)

@@ -15,6 +15,10 @@ class DraftConfig:
     ``hidden_size`` must equal the target's; q/k/v read ``2 * hidden_size`` (embedding and
     feature side by side). ``tap_layers`` are the target layers whose *input* hidden states are
     fused (default ``2, L//2, L-3``). ``ttt_steps`` is K, the number of training-time-test steps.
+
+    EAGLE-3.1 (vLLM, 2026; both off in EAGLE-3 heads): ``fc_norm`` puts an RMSNorm on each of
+    the three taps before ``fc``; ``norm_output`` feeds the *normed* output (``final_norm(h)``,
+    what ``lm_head`` reads) back as the next step's feature instead of the un-normed ``h``.
     """
 
     hidden_size: int
@@ -30,6 +34,8 @@ class DraftConfig:
     max_position_embeddings: int = 2048
     ttt_steps: int = 7
     dtype: str = "float32"
+    fc_norm: bool = False  # EAGLE-3.1: per-tap RMSNorm before fc
+    norm_output: bool = False  # EAGLE-3.1: the normed output is the next step's feature
 
     def __post_init__(self):
         object.__setattr__(self, "tap_layers", tuple(int(t) for t in self.tap_layers))

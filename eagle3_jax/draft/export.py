@@ -15,6 +15,9 @@ A head folder holds::
         norm.weight                              [D]     (ours: final_norm)
         lm_head.weight                           [Vd, D]
         d2t                                      [Vd] int64;  t2d [V] bool
+        fc_norm.weight                           [3, D]  EAGLE-3.1 heads only ("fc_norm": true
+                                                 in config.json; "norm_output": true likewise
+                                                 marks the normed recurrent feature)
 
 Reading also accepts ``pytorch_model.bin`` (through torch, when installed) and the vLLM
 ``speculators`` layout: the Llama fields nested under ``transformer_layer_config``, the layer
@@ -58,7 +61,9 @@ class DraftExportError(Eagle3Error, ValueError):
 def _tables(cfg: DraftConfig):
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     t = lambda x: np.ascontiguousarray(np.asarray(x).T)
+    extra = {"fc_norm": ("fc_norm.weight", np.asarray, np.asarray)} if cfg.fc_norm else {}
     return {
+        **extra,
         "fc": ("fc.weight", t, t),
         "attn_norm": ("midlayer.input_layernorm.weight", np.asarray, np.asarray),
         "hidden_norm": ("midlayer.hidden_norm.weight", np.asarray, np.asarray),
@@ -151,6 +156,8 @@ def head_config_json(head_cfg: DraftConfig, torch_dtype: str) -> dict[str, Any]:
         "mlp_bias": False,
         "torch_dtype": torch_dtype,
         "eagle_aux_hidden_state_layer_ids": list(head_cfg.tap_layers),
+        # EAGLE-3.1 flags (absent = False: an EAGLE-3 head); fc_norm.weight [3, D] with fc_norm.
+        **{k: True for k in ("fc_norm", "norm_output") if getattr(head_cfg, k)},
     }
 
 
@@ -217,6 +224,8 @@ def draft_config_from_json(hf: Mapping[str, Any], target_cfg: TargetConfig | Non
             rope_theta=float(layer.get("rope_theta") or 10000.0),
             max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
             dtype=dtype,
+            fc_norm=bool(hf.get("fc_norm", False)),
+            norm_output=bool(hf.get("norm_output", False)),
         )
     except KeyError as e:
         raise DraftExportError(f"{source} is missing the key {e.args[0]!r}") from None

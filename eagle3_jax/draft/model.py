@@ -2,7 +2,8 @@
 
 One draft step over T positions (B batch, D hidden, N/K heads, H head_dim, Vd draft vocab)::
 
-    g        [B, T, D]   feature: fc(target taps) at step 0, the draft's own h afterwards
+    g        [B, T, D]   feature: fc(target taps) at step 0, the draft's own output afterwards
+                         (:func:`next_feature`: h, or final_norm(h) for EAGLE-3.1 heads)
     embeds   [B, T, D]   target embedding of the token paired with each feature
     x = concat(attn_norm(embeds), hidden_norm(g))                       [B, T, 2D]
     h = g + wo(attention(q, k, v from x))                               [B, T, D]
@@ -24,9 +25,21 @@ from eagle3_jax.model.layers import (apply_rope, attention, empty_kv, rms_norm, 
 from eagle3_jax.model.params import Params
 
 
-def fuse_taps(params: Params, taps: jax.Array) -> jax.Array:
-    """Target taps [B, T, 3D] (low, mid, high) -> step-0 feature [B, T, D]."""
-    return jnp.einsum("BTF,FD->BTD", taps.astype(params["fc"].dtype), params["fc"])
+def fuse_taps(params: Params, cfg: DraftConfig, taps: jax.Array) -> jax.Array:
+    """Target taps [B, T, 3D] (low, mid, high) -> step-0 feature [B, T, D]; with
+    ``cfg.fc_norm`` (EAGLE-3.1) each tap is RMS-normed by its own scale first."""
+    taps = taps.astype(params["fc"].dtype)
+    if cfg.fc_norm:
+        b, t, _ = taps.shape
+        per_tap = taps.reshape(b, t, cfg.num_taps, cfg.hidden_size)
+        taps = rms_norm(per_tap, params["fc_norm"], cfg.rms_norm_eps).reshape(b, t, -1)
+    return jnp.einsum("BTF,FD->BTD", taps, params["fc"])
+
+
+def next_feature(params: Params, cfg: DraftConfig, h: jax.Array) -> jax.Array:
+    """The feature the next draft step reads from this step's output h [B, T, D]: h itself
+    (EAGLE-3), or ``final_norm(h)`` with ``cfg.norm_output`` (EAGLE-3.1)."""
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps) if cfg.norm_output else h
 
 
 def project_qkv(params: Params, cfg: DraftConfig, embeds: jax.Array, g: jax.Array,
@@ -70,10 +83,11 @@ def draft_step_cached(params: Params, cfg: DraftConfig, embeds: jax.Array, g: ja
       cache_k: [B, K, H, S]; cache_v: [B, K, S, H] (``empty_draft_cache``).
       write_slots: [B, T] slots for this step's keys.
     Returns:
-      (h [B, T, D], logits [B, T, Vd], cache_k, cache_v).
+      (the next step's feature [B, T, D] (:func:`next_feature`), logits [B, T, Vd], cache_k,
+      cache_v).
     """
     q, k, v = project_qkv(params, cfg, embeds, g, positions)
     rows = jnp.arange(k.shape[0])[:, None]
     cache_k, cache_v = write_kv(cache_k, cache_v, rows, write_slots, k, v)  # k, v [B, T, K, H]
     h = finish_layer(params, cfg, g, attention(q, [(cache_k, cache_v, mask)]))
-    return h, draft_logits(params, cfg, h), cache_k, cache_v
+    return next_feature(params, cfg, h), draft_logits(params, cfg, h), cache_k, cache_v

@@ -3,6 +3,7 @@
 Layout (D hidden, N/K heads, H head_dim, F mlp, Vd draft vocab)::
 
     fc          [3D, D]     fused low/mid/high target features -> D
+    fc_norm     [3, D]      EAGLE-3.1 only (cfg.fc_norm): one RMSNorm scale per tap, before fc
     attn_norm   [D]         input_layernorm (on the token embedding)
     hidden_norm [D]         on the feature
     wq          [2D, N, H]  q/k/v read concat(embedding, feature)
@@ -31,7 +32,9 @@ from eagle3_jax.model.params import ParamSpec, Params, is_spec
 def draft_param_specs(cfg: DraftConfig) -> Params:
     d, f, n, k, h = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                      cfg.head_dim)
-    return {
+    extra = {"fc_norm": ParamSpec((cfg.num_taps, d), ("taps", "norm"), "ones")} if cfg.fc_norm \
+        else {}
+    return {**extra,
         "fc": ParamSpec((cfg.num_taps * d, d), ("fused", "embed")),
         "attn_norm": ParamSpec((d,), ("norm",), "ones"),
         "hidden_norm": ParamSpec((d,), ("norm",), "ones"),

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from eagle3_jax.draft.config import DraftConfig
-from eagle3_jax.draft.model import draft_logits, finish_layer, fuse_taps, project_qkv
+from eagle3_jax.draft.model import (draft_logits, finish_layer, fuse_taps, next_feature,
+                                    project_qkv)
 from eagle3_jax.model.params import Params
 
 STEP_WEIGHT_DECAY = 0.8
@@ -112,7 +113,7 @@ def ttt_forward(
     causal = (idx[None, :, None] >= idx[None, None, :]) & (seg[:, :, None] == seg[:, None, :])
     causal = causal & (seg[:, :, None] > 0)  # [B, T(query), T(key)]
 
-    g0 = fuse_taps(params, batch.taps)
+    g0 = fuse_taps(params, cfg, batch.taps)
     kv_shape = (k_steps, b, t, cfg.num_kv_heads, cfg.head_dim)
     zeros_kv = jnp.zeros(kv_shape, g0.dtype)
     scale = 1.0 / math.sqrt(cfg.head_dim)
@@ -166,7 +167,7 @@ def ttt_forward(
             hits_i = (jnp.sum(within * weight[..., None], axis=(0, 1))
                       / jnp.maximum(n_scored, 1.0))
         out = (loss_i, acc_i, n_scored, hits_i, logits if return_logits else None)
-        return (h, k0, v0, diag_k, diag_v), out
+        return (next_feature(params, cfg, h), k0, v0, diag_k, diag_v), out
 
     init = (g0, zeros_kv[0], zeros_kv[0], zeros_kv, zeros_kv)
     _, (losses, accs, counts, hits, logits) = jax.lax.scan(step, init, jnp.arange(k_steps))

@@ -120,6 +120,8 @@ class TrainConfig:
     compute_dtype: str | None = None  # the draft's compute dtype; None = dtype
     loss_mask: str = "predicted"  # "predicted" or "reference" (eagle3_jax.draft.ttt)
     objective: str = "kl"  # per-position loss: "kl" (reference) or "lk" (eagle3_jax.draft.ttt)
+    fc_norm: bool = False  # EAGLE-3.1: per-tap RMSNorm before fc (eagle3_jax.draft.config)
+    norm_output: bool = False  # EAGLE-3.1: the normed output is the next step's feature
     progress: bool = True  # tqdm progress bar
 
     def __post_init__(self):

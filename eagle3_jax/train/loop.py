@@ -422,7 +422,8 @@ def _setup(cfg: TrainConfig, target_override: TargetOverride | None = None,
     vocab = resolve_vocab(cfg, tcfg, out_dir, train_records,
                           init.vocab if init is not None else None)
     draft_cfg = DraftConfig.for_target(tcfg, draft_vocab_size=int(vocab.d2t.shape[0]),
-                                       ttt_steps=cfg.ttt_steps, dtype=MASTER_DTYPE)
+                                       ttt_steps=cfg.ttt_steps, dtype=MASTER_DTYPE,
+                                       fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
     if features is not None:
         assert draft_cfg.tap_layers == tuple(tcfg.eagle3_tap_layers)
         # Only the embedding table and output head; dropping the rest frees the target.
