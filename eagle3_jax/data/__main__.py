@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a longer prompt ends the conversation before that turn (default "
                         "min(2048, context - max-new-tokens))")
     p.add_argument("--limit", type=int, default=None, help="only the first N conversations")
+    p.add_argument("--shortest", type=int, default=None, metavar="N",
+                   help="only the N conversations with the shortest openings (system + first "
+                        "user turn; the order they are answered in), e.g. a budget that an "
+                        "interrupted run resumes to exactly")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -149,7 +153,8 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
     stats = regenerate_conversations(
         conversations, target, args.out, batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
-        max_prompt_len=args.max_prompt_len, sampling=sampling, seed=args.seed, progress=True)
+        max_prompt_len=args.max_prompt_len, sampling=sampling, seed=args.seed, progress=True,
+        shortest=args.shortest)
     print(f"{stats.summary()}\nwrote {Path(args.out) / CONVERSATIONS_FILE}")
 
 

@@ -199,6 +199,12 @@ def _plan(conv: Mapping, cid: str, max_turns: int | None) -> _Conversation:
     return _Conversation(cid, system, users)
 
 
+def _opening_length(c: _Conversation) -> int:
+    """Characters of a conversation's system message and first user turn: the order prompts
+    are fed in (shortest first), and what ``shortest`` selects by."""
+    return sum(len(m["content"]) for m in c.messages) + len(c.users[0] if c.users else "")
+
+
 def _conversation_ids(conversations: Sequence[Mapping]) -> list[str]:
     ids = [str(c.get("id", f"#{i}")) for i, c in enumerate(conversations)]
     if len(set(ids)) != len(ids):
@@ -223,6 +229,7 @@ def regenerate_conversations(
     seed: int = 0,
     shard_size: int = 10000,
     progress: bool = False,
+    shortest: int | None = None,
 ) -> RegenerateStats:
     """Regenerate the assistant turns of ``conversations`` with ``target`` into ``out_dir``.
 
@@ -237,6 +244,9 @@ def regenerate_conversations(
       sampling: a :class:`~eagle3_jax.decoding.SamplingParams`; None is greedy.
       seed: PRNG seed when sampling.
       shard_size: lines per output shard.
+      shortest: answer only the ``shortest`` conversations with the shortest openings (system
+        message + first user turn, in characters; ties in input order): a set that does not
+        depend on what an earlier, interrupted run finished. None: all.
     Returns:
       :class:`RegenerateStats`; also merges the shards into ``conversations.jsonl`` when every
       requested conversation is done.
@@ -262,6 +272,12 @@ def regenerate_conversations(
     if tok is None:
         raise DataError("regenerating needs the target's tokenizer (its chat template)")
 
+    if shortest is not None:
+        if shortest < 1:
+            raise DataError(f"shortest must be >= 1, got {shortest}")
+        lengths = [_opening_length(_plan(c, "", max_turns)) for c in conversations]
+        keep = sorted(sorted(range(len(conversations)), key=lambda i: lengths[i])[:shortest])
+        conversations = [conversations[i] for i in keep]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ids = _conversation_ids(conversations)
@@ -320,9 +336,7 @@ def regenerate_conversations(
     start = time.perf_counter()
     try:
         # Shortest first prompts first: the decoder's cache grows only as prompts get longer.
-        plans = sorted((_plan(c, cid, max_turns) for cid, c in pending),
-                       key=lambda c: sum(len(m["content"]) for m in c.messages)
-                       + len(c.users[0] if c.users else ""))
+        plans = sorted((_plan(c, cid, max_turns) for cid, c in pending), key=_opening_length)
         conversations_left = iter(plans)
         queue: collections.deque = collections.deque()
         # Keep a few prompts queued ahead; a conversation's next turn goes to the front, so it
