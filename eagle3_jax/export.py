@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                             "give a training run's out_dir")
         results = []
         for item in args.results:
-            name, _, path = item.partition("=")
+            name, _, path = item.rpartition("=")  # the name may hold "=" (T=0)
             if not path or not Path(path).is_file():
                 raise HeadError(f"--results takes NAME=PATH of a bench speed JSON, got {item!r}")
             results.append((name, json.loads(Path(path).read_text())))
