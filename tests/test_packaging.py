@@ -1,5 +1,5 @@
-"""What the wheel ships: every config, the benchmark prompts and the five console scripts; and an
-installed (non-editable) copy finds its presets from another folder.
+"""What the wheel ships: every config, the benchmark prompts, the shipped draft heads and the five
+console scripts; and an installed (non-editable) copy finds its presets from another folder.
 
 The wheel is built from a copy of the build's inputs (pyproject, README, the package, configs/)
 so the checkout gets no build/ or egg-info; the copy keeps eagle3_jax/configs a symlink, as git
@@ -64,6 +64,10 @@ def test_wheel_ships_configs_prompts_and_scripts(wheel):
         for path in prompts.rglob("*"):
             if path.is_file() and "__pycache__" not in path.parts:
                 assert f"eagle3_jax/bench/prompts/{path.relative_to(prompts)}" in names, path
+        heads = REPO / "eagle3_jax" / "heads"  # the shipped draft heads, whole
+        for path in heads.rglob("*") if heads.is_dir() else ():
+            if path.is_file() and "__pycache__" not in path.parts:
+                assert f"eagle3_jax/heads/{path.relative_to(heads)}" in names, path
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         parser = configparser.ConfigParser()
         parser.read_string(zf.read(entry_points).decode())
