@@ -127,7 +127,7 @@ def read_run_head(run_dir: str | Path, step: int | None = None) -> tuple[DraftHe
     """
     import orbax.checkpoint as ocp
 
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir).absolute()  # orbax reads absolute paths only
     steps = run_steps(run_dir)
     if not steps:
         raise HeadError(f"no checkpoint in {run_dir / CHECKPOINT_DIR}; train first, or pass a "
