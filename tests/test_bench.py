@@ -3,6 +3,8 @@
 
 import json
 
+import pytest
+
 from eagle3_jax.bench.__main__ import main
 
 
@@ -25,7 +27,8 @@ def test_bench_train_reports_throughput_and_memory(smollm2_gguf_path, tmp_path):
     assert result["xla_memory"]["argument_mib"] > 500  # the SmolLM2 target is an argument
     flops = result["flops"]
     assert flops["matmul_peak_gflops"] > 0 and flops["head_gflops"] > 0
-    assert flops["head_share_of_peak"] == flops["head_gflops"] / flops["matmul_peak_gflops"]
+    assert flops["head_share_of_peak"] == pytest.approx(flops["head_gflops"]
+                                                         / flops["matmul_peak_gflops"])
 
 
 def test_head_flop_count_matches_xla_cost_analysis():

@@ -139,7 +139,7 @@ def test_errors_are_one_clear_line(smollm2, smollm2_head_dir, tmp_path, capsys):
         (("--draft", str(misfit)), "hidden size 64 != target's 576"),
         (("--draft", str(smollm2_head_dir), "--tree-top-k", "1", "--depth", "2",
           "--total-tokens", "10"), "total_tokens <= 3"),
-        (("--mode", "eagle"), "no default head ships yet"),
+        (("--mode", "eagle"), "this target has no shipped one"),
         (("--draft", str(tmp_path / "nope")), "does not exist"),
         (("--draft", str(tmp_path)), "neither a released EAGLE-3 head folder"),
         (("--mode", "vanilla", "--depth", "3"), "only apply to --mode eagle"),
