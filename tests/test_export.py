@@ -257,23 +257,32 @@ def test_head_that_does_not_fit_the_target(tmp_path):
         load_draft_head(tmp_path, target_cfg(num_layers=4))
 
 
-def test_export_cli_from_training_run(tmp_path):
-    from eagle3_jax.export import main
+def train_tiny_run(run_dir, num_records=16, **overrides) -> TargetConfig:
+    """Two training steps of a head for ``target_cfg()`` on random records into ``run_dir``;
+    returns the target config. ``overrides``: TrainConfig fields."""
     from eagle3_jax.model.params import init_params
     from eagle3_jax.train.config import TrainConfig
-    from eagle3_jax.draft.load import read_run_head
     from eagle3_jax.train.loop import TargetOverride, train
 
     tcfg = target_cfg()
     rng = np.random.default_rng(0)
     records = [{"input_ids": rng.integers(0, V, 20).astype(np.int32),
-                "loss_mask": np.ones(20, bool)} for _ in range(16)]
-    run = tmp_path / "run"
-    cfg = TrainConfig(target="tiny", out_dir=str(run), max_len=16, batch_size=8, ttt_steps=2,
-                      draft_vocab_size=VD, total_steps=2, save_every=1, eval_batches=0,
-                      progress=False)
-    train(cfg, target_override=TargetOverride(tcfg, init_params(tcfg, jax.random.key(0))),
+                "loss_mask": np.ones(20, bool)} for _ in range(num_records)]
+    fields = dict(target="tiny", out_dir=str(run_dir), max_len=16, batch_size=8, ttt_steps=2,
+                  draft_vocab_size=VD, total_steps=2, save_every=1, eval_batches=0,
+                  progress=False)
+    train(TrainConfig(**{**fields, **overrides}),
+          target_override=TargetOverride(tcfg, init_params(tcfg, jax.random.key(0))),
           train_records=records)
+    return tcfg
+
+
+def test_export_cli_from_training_run(tmp_path):
+    from eagle3_jax.draft.load import read_run_head
+    from eagle3_jax.export import main
+
+    run = tmp_path / "run"
+    tcfg = train_tiny_run(run)
     assert main(["--checkpoint", str(run), "--step", "1", "--out", str(tmp_path / "head")]) == 0
     head, step = read_run_head(run, 1)
     loaded = load_draft_head(tmp_path / "head", tcfg)

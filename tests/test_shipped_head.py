@@ -99,22 +99,11 @@ def test_the_shipped_head_is_16_bit_small_and_measured():
 def test_export_writes_acceptance_and_a_card_from_the_run(tmp_path):
     from eagle3_jax.draft.load import load_head
     from eagle3_jax.export import main
-    from eagle3_jax.model.params import init_params
-    from eagle3_jax.train.config import TrainConfig
-    from eagle3_jax.train.loop import TargetOverride, train
-    from test_export import VD, V, target_cfg
+    from test_export import train_tiny_run
 
-    tcfg = target_cfg()
-    rng = np.random.default_rng(0)
-    records = [{"input_ids": rng.integers(0, V, 20).astype(np.int32),
-                "loss_mask": np.ones(20, bool)} for _ in range(24)]
     run_dir = tmp_path / "run"
-    cfg = TrainConfig(target="tiny", out_dir=str(run_dir), max_len=16, batch_size=8,
-                      ttt_steps=2, draft_vocab_size=VD, total_steps=2, save_every=1,
-                      eval_every=2, eval_batches=1, eval_fraction=0.3, log_every=1,
-                      progress=False)
-    train(cfg, target_override=TargetOverride(tcfg, init_params(tcfg, jax.random.key(0))),
-          train_records=records)
+    tcfg = train_tiny_run(run_dir, num_records=24, eval_every=2, eval_batches=1,
+                          eval_fraction=0.3, log_every=1)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if r["kind"] == "train"]
     assert train_rows[-1]["tokens"] > train_rows[0]["tokens"] > 0
