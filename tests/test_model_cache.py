@@ -197,18 +197,3 @@ def test_writes_past_the_cache_end_are_dropped(overflow):
     k = np.stack(out.cache.k).transpose(0, 1, 4, 2, 3)  # [L, B, K, H, S] -> [L, B, S, K, H]
     assert not np.any(k[:, :, :4 + overflow]), "a write wrapped onto slots before end"
     assert np.all(np.any(k[:, :, 4 + overflow:] != 0, axis=(-1, -2))), "in-range slots not written"
-
-
-@pytest.mark.parametrize("shape", [(1, 1, 40, 24), (1, 1, 12, 24), (2, 3, 40, 24)])
-def test_small_matvec_equals_the_matmul(shape):
-    """The row-block form of the output projection (one-row decode steps on CPU) computes the
-    same product; shapes that do not qualify (rows > 1, O not divisible) take the matmul."""
-    from eagle3_jax.model.target import _small_matvec
-
-    b, t, o, i = shape
-    rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.normal(size=(b, t, i)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(o, i)), jnp.float32)
-    np.testing.assert_allclose(np.asarray(jax.jit(_small_matvec)(x, w)),
-                               np.einsum("bti,oi->bto", np.asarray(x, np.float64), np.asarray(w)),
-                               rtol=1e-5, atol=1e-5)

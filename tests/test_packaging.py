@@ -11,6 +11,7 @@ from __future__ import annotations
 import configparser
 import importlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-BUILD_INPUTS = ("pyproject.toml", "README.md", "eagle3_jax", "configs")
+KERNEL_EXPECTED = platform.machine() == "x86_64" and shutil.which("c++") is not None
+BUILD_INPUTS = ("pyproject.toml", "setup.py", "README.md", "eagle3_jax", "configs")
 CONSOLE_SCRIPTS = {
     "eagle3-decode": "eagle3_jax.decode:main",
     "eagle3-train": "eagle3_jax.train.__main__:main",
@@ -36,7 +38,7 @@ def wheel(tmp_path_factory) -> Path:
     for name in BUILD_INPUTS:
         if (REPO / name).is_dir():
             shutil.copytree(REPO / name, src / name, symlinks=True,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
         else:
             shutil.copy2(REPO / name, src / name)
     assert (src / "eagle3_jax" / "configs").is_symlink()
@@ -68,6 +70,13 @@ def test_wheel_ships_configs_prompts_and_scripts(wheel):
         for path in heads.rglob("*") if heads.is_dir() else ():
             if path.is_file() and "__pycache__" not in path.parts:
                 assert f"eagle3_jax/heads/{path.relative_to(heads)}" in names, path
+        kernel = REPO / "eagle3_jax" / "kernels" / "cpu"  # the CPU kernel's source and headers
+        for path in kernel.rglob("*"):
+            if path.is_file():
+                assert f"eagle3_jax/kernels/cpu/{path.relative_to(kernel)}" in names, path
+        if KERNEL_EXPECTED:  # built by the wheel's build, with this machine's compiler
+            assert any(n.startswith("eagle3_jax/kernels/_rows_matmul") and n.endswith(".so")
+                       for n in names), sorted(n for n in names if "kernels" in n)
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         parser = configparser.ConfigParser()
         parser.read_string(zf.read(entry_points).decode())
@@ -89,13 +98,16 @@ def test_installed_wheel_finds_its_configs_from_another_folder(wheel, tmp_path):
     code = ("import eagle3_jax, eagle3_jax.presets as p, eagle3_jax.train.config as t; "
             "print(eagle3_jax.__file__); print(' '.join(p.list_presets())); "
             "print(' '.join(p.list_train_configs())); "
-            "print(t.load_train_config('train-smollm2-135m').target)")
+            "print(t.load_train_config('train-smollm2-135m').target); "
+            "import eagle3_jax.kernels as k; print(k.kernel_status())")
     # The installed copy comes first on the path, ahead of this checkout (editable or not).
     env = dict(os.environ, PYTHONPATH=str(site))
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    where, presets, train_configs, target = done.stdout.splitlines()
+    where, presets, train_configs, target, kernel = done.stdout.splitlines()
+    if KERNEL_EXPECTED:
+        assert "in use" in kernel and str(site) in kernel, kernel
     assert Path(where).is_relative_to(site)
     from eagle3_jax.presets import list_presets, list_train_configs
 

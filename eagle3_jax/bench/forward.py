@@ -6,8 +6,14 @@ Measures, on the running machine:
   * the per-token time of plain decoding's inner loop: ``LOOP_STEPS`` greedy decode steps in one
     jitted ``lax.fori_loop`` from the same cache (no per-call dispatch, no prefill), interleaved
     with the forwards;
-  * the memory-bandwidth floor of a decode step: parameter bytes / bandwidth measured in the same
-    run (a jitted full read of an array as large as the parameters);
+  * the floors: bandwidth (parameter bytes / bandwidth measured in the same run by a jitted full
+    read of an array as large as the parameters) and compute (the forward's FLOPs / the float32
+    matmul peak measured in the same run), per T, and the ratios of each forward to the decode
+    step and to max(floors);
+  * every forward twice, with the CPU kernel for few-row matmuls on and off
+    (``eagle3_jax.kernels.matmul``; alternating rounds, medians), so the table shows what
+    the kernel buys;
+  * one draft step of the target's shipped head over w = 1, 4, 10 tokens (a tree level);
   * greedy tokens/s of ``eagle3_jax.decoding.generate`` against HF transformers float32 greedy
     ``generate`` on the same chat prompts, batch 1, interleaved, medians.
 """
@@ -89,19 +95,80 @@ def load_hf_reference(path):
     return model.eval()
 
 
-def plot_curve(path: str, curve_ms: dict[int, float], floor_ms: float) -> None:
+def compute_floor_seconds(cfg, context: int, t: int, peak_flops: float) -> float:
+    """FLOPs of a forward of ``t`` new tokens over ``context`` cached ones (2 per weight per
+    token in the layers and the output head, plus attention's scores and sums) / the peak."""
+    hd, layers = cfg.head_dim, cfg.num_layers
+    # Every weight is a matmul but an untied input embedding (a lookup); tied, it is the head.
+    lookup = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    matmul_params = cfg.num_params - lookup
+    attention = 4 * layers * cfg.num_heads * hd * (context + t) * t
+    return (2 * matmul_params * t + attention) / peak_flops
+
+
+def curves_by_kernel(params, cfg, context: int, sizes, repeats: int, rounds: int):
+    """{"kernel": curve, "xla": curve} (seconds per T, and "loop"): the same forwards with the CPU
+    kernel on and off, ``rounds`` alternating rounds (recompiled each), per-T median of rounds.
+    Only {"xla": ...} where the kernel is unavailable."""
+    from eagle3_jax.kernels import matmul as rm
+
+    modes = ("xla", "kernel") if rm._load()[0] else ("xla",)
+    samples: dict[str, list[dict]] = {mode: [] for mode in modes}
+    previous = rm.set_kernel_enabled(None)
+    try:
+        for _ in range(rounds):
+            for mode in modes:
+                rm.set_kernel_enabled(mode == "kernel")
+                jax.clear_caches()
+                samples[mode].append(forward_curve(params, cfg, context, sizes, repeats,
+                                                   loop_steps=LOOP_STEPS))
+    finally:
+        rm.set_kernel_enabled(previous)
+        jax.clear_caches()
+    return {mode: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+            for mode, runs in samples.items()}
+
+
+def draft_step_ms(target: str | None, loaded, context: int, widths,
+                  repeats: int) -> dict[int, float] | None:
+    """Milliseconds of one step of the shipped head of ``target`` over w tokens, or None."""
+    from eagle3_jax.decoding.costs import measure_draft_steps
+    from eagle3_jax.draft.load import load_head
+    from eagle3_jax.draft.shipped import shipped_head_for
+
+    path = shipped_head_for(target)
+    if path is None:
+        return None
+    head = load_head(path, loaded.cfg).head
+    steps = measure_draft_steps(head, loaded.params["embed"], context, widths, repeats)
+    return {w: s * 1e3 for w, s in steps.items()}
+
+
+def plot_curve(path: str, curves_ms: dict[str, dict[int, float]], bandwidth_ms: float,
+               compute_ms: dict[int, float], draft_ms: dict[int, float] | None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    sizes = sorted(curve_ms)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(sizes, [curve_ms[t] for t in sizes], "o-", label="forward over 256-token cache")
-    ax.axhline(floor_ms, color="gray", ls="--", label="bandwidth floor (params / BW)")
+    sizes = sorted(compute_ms)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = {"kernel": ("o-", "forward, CPU kernel"), "xla": ("s--", "forward, XLA dot")}
+    for mode, curve in curves_ms.items():
+        style, label = styles[mode]
+        ax.plot(sizes, [curve[t] for t in sizes], style, label=label)
+    ax.axhline(bandwidth_ms, color="gray", ls=":", label="bandwidth floor (params / BW)")
+    ax.plot(sizes, [compute_ms[t] for t in sizes], color="gray", ls="-.",
+            label="compute floor (FLOPs / matmul peak)")
+    ax.plot(sizes, [max(bandwidth_ms, compute_ms[t]) for t in sizes], color="black", lw=0.8,
+            label="floor: max of the two")
+    if draft_ms:
+        ax.plot(sorted(draft_ms), [draft_ms[w] for w in sorted(draft_ms)], "^-", color="tab:green",
+                label="draft step over w tokens")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("new tokens T (tree size)")
-    ax.set_ylabel("ms per forward")
-    ax.set_title("Target forward cost (SmolLM2-135M, this machine)")
-    ax.legend()
+    ax.set_yscale("log")
+    ax.set_xlabel("new tokens T (tree size) / draft width w")
+    ax.set_ylabel("ms")
+    ax.set_title("Target forward over a 256-token cache: measured and floors")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -113,6 +180,10 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--sizes", default="1,2,4,8,16,32,64")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="alternating rounds of the curve with the CPU kernel off and on")
+    parser.add_argument("--draft-widths", default="1,4,10",
+                        help="draft step widths to time with the target's shipped head")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--speed-repeats", type=int, default=3)
     parser.add_argument("--skip-hf", action="store_true", help="skip the HF transformers run")
@@ -120,30 +191,54 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", default="docs/bench_forward.png")
     args = parser.parse_args(argv)
 
+    from eagle3_jax.bench.common import measure_matmul_peak
     from eagle3_jax.checkpoints import load_target
+    from eagle3_jax.kernels import kernel_status
 
     loaded = load_target(args.target)
     cfg, params = loaded.cfg, loaded.params
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = sorted({1, *(int(s) for s in args.sizes.split(","))})
     nbytes = param_bytes(params)
-    print(f"target {loaded.source}: {cfg.num_params / 1e6:.1f}M params, {nbytes / 2**20:.0f} MiB",
-          file=sys.stderr)
+    print(f"target {loaded.source}: {cfg.num_params / 1e6:.1f}M params, {nbytes / 2**20:.0f} MiB; "
+          f"{kernel_status()}", file=sys.stderr)
     bandwidth = measure_bandwidth(nbytes, args.repeats)
-    curve = forward_curve(params, cfg, args.context, sizes, args.repeats, loop_steps=LOOP_STEPS)
-    floor = nbytes / bandwidth
-    rows = [(t, curve[t] * 1e3, curve[t] / curve[1]) for t in sizes]
-    print(markdown_table(["T new tokens", "ms / forward", "x decode step"], rows))
-    print(f"\nbandwidth {bandwidth / 1e9:.2f} GB/s -> decode floor {floor * 1e3:.2f} ms; "
-          f"decode step {curve[1] * 1e3:.2f} ms = {curve[1] / floor:.2f}x floor; "
-          f"in the jitted decode loop {curve['loop'] * 1e3:.2f} ms/token = "
-          f"{curve['loop'] / floor:.2f}x floor")
+    peak, peak_shape = measure_matmul_peak()
+    curves = curves_by_kernel(params, cfg, args.context, sizes, args.repeats, args.rounds)
+    best = curves.get("kernel", curves["xla"])
+    decode = min(c[1] for c in curves.values())  # the decode step as decoding runs it
+    floor_bw = nbytes / bandwidth
+    floor_compute = {t: compute_floor_seconds(cfg, args.context, t, peak) for t in sizes}
+    headers = ["T new tokens"] + [f"ms ({m})" for m in curves] + [
+        "bandwidth floor ms", "compute floor ms", "x decode step", "x floor"]
+    rows = []
+    for t in sizes:
+        floor = max(floor_bw, floor_compute[t])
+        rows.append((t, *(c[t] * 1e3 for c in curves.values()), floor_bw * 1e3,
+                     floor_compute[t] * 1e3, best[t] / decode, best[t] / floor))
+    print(markdown_table(headers, rows))
+    widths = [int(w) for w in args.draft_widths.split(",") if w]
+    draft = draft_step_ms(args.target, loaded, args.context, widths, args.repeats) if widths else None
+    if draft:
+        print("\n" + markdown_table(["draft width w", "ms / draft step", "x decode step"],
+                                     [(w, ms, ms / (decode * 1e3)) for w, ms in draft.items()]))
+    print(f"\nbandwidth {bandwidth / 1e9:.2f} GB/s -> decode floor {floor_bw * 1e3:.2f} ms; "
+          f"matmul peak {peak / 1e9:.0f} GFLOP/s ({peak_shape}); decode step {decode * 1e3:.2f} "
+          f"ms = {decode / floor_bw:.2f}x floor; in the jitted decode loop "
+          f"{best['loop'] * 1e3:.2f} ms/token = {best['loop'] / floor_bw:.2f}x floor")
     result = {
         "machine": machine_description(), "target": loaded.source, "param_bytes": nbytes,
-        "context": args.context, "forward_ms": {str(t): curve[t] * 1e3 for t in sizes},
-        "bandwidth_gb_s": bandwidth / 1e9, "decode_floor_ms": floor * 1e3,
-        "decode_step_over_floor": curve[1] / floor,
-        "decode_loop_ms_per_token": curve["loop"] * 1e3,
-        "decode_loop_over_floor": curve["loop"] / floor,
+        "context": args.context, "kernel": kernel_status(),
+        "forward_ms": {str(t): best[t] * 1e3 for t in sizes},
+        "forward_ms_by_mode": {m: {str(t): c[t] * 1e3 for t in sizes} for m, c in curves.items()},
+        "forward_over_decode_step": {str(t): best[t] / decode for t in sizes},
+        "bandwidth_gb_s": bandwidth / 1e9, "decode_floor_ms": floor_bw * 1e3,
+        "matmul_peak_gflop_s": peak / 1e9, "matmul_peak_shape": peak_shape,
+        "compute_floor_ms": {str(t): v * 1e3 for t, v in floor_compute.items()},
+        "forward_over_floor": {str(t): best[t] / max(floor_bw, floor_compute[t]) for t in sizes},
+        "decode_step_ms": decode * 1e3, "decode_step_over_floor": decode / floor_bw,
+        "decode_loop_ms_per_token": best["loop"] * 1e3,
+        "decode_loop_over_floor": best["loop"] / floor_bw,
+        "draft_step_ms": None if draft is None else {str(w): v for w, v in draft.items()},
     }
     if not args.skip_hf:
         hf = load_hf_reference(loaded.weights)
@@ -154,6 +249,7 @@ def main(argv=None) -> int:
         result.update(tokens_per_s_ours=ours, tokens_per_s_hf=theirs, speedup_vs_hf=ours / theirs,
                       identical_tokens=same, max_new_tokens=args.max_new_tokens)
     write_json(args.out, result)
-    plot_curve(args.plot, {t: curve[t] * 1e3 for t in sizes}, floor * 1e3)
+    plot_curve(args.plot, {m: {t: c[t] * 1e3 for t in sizes} for m, c in curves.items()},
+               floor_bw * 1e3, {t: v * 1e3 for t, v in floor_compute.items()}, draft)
     print(f"wrote {args.out} and {args.plot}", file=sys.stderr)
     return 0

@@ -151,7 +151,8 @@ def _digest(obj) -> str:
 
 # The code whose speed the cost model measures (paths under the package).
 COST_SOURCES = ("model/target.py", "model/layers.py", "model/params.py", "draft/model.py",
-                "decoding/tree.py", "decoding/costs.py")
+                "decoding/tree.py", "decoding/costs.py", "kernels/matmul.py",
+                "kernels/cpu/rows_matmul.cc")
 
 
 @functools.lru_cache(maxsize=1)
@@ -165,14 +166,17 @@ def code_digest() -> str:
 
 
 def machine_key(cfg) -> dict:
-    """What the measurements depend on: platform, device kind, target config, JAX and our code."""
+    """What the measurements depend on: platform, device kind, target config, JAX, our code and
+    whether the CPU kernel is in use."""
     import jax
+
+    from eagle3_jax.kernels import kernel_status
 
     device = jax.devices()[0]
     return {"platform": platform.platform(), "machine": platform.machine(),
             "backend": jax.default_backend(), "device_kind": device.device_kind,
             "target_config": dataclasses.asdict(cfg), "jax": jax.__version__,
-            "code": code_digest()}
+            "code": code_digest(), "cpu_kernel": kernel_status()}
 
 
 def cache_path(cfg, directory: str | Path | None = None) -> Path:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from eagle3_jax.kernels import rows_matmul
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.layers import (apply_rope, attention, empty_kv, rms_norm, rope_inv_freq,
                                      write_kv)
@@ -92,28 +93,10 @@ def split_cache_mask(mask: jax.Array, cache_end: jax.Array, num_new: int):
     return past, new
 
 
-# XLA CPU runs a matrix-vector dot as small as the output projection (D x N*H, 1.3 MB for
-# SmolLM2) on one core; split into this many row blocks and given as a batched dot, it runs on
-# every core. `bench forward` on 2 cores: 27.5 -> 25.0 ms per decode step, interleaved.
-# (16 blocks lose the gain again; the other projections gain nothing; with 2+ rows it is slower.)
+# XLA CPU runs a matrix-vector dot as small as the attention output projection (D x N*H) on one
+# core unless it is split into row blocks (eagle3_jax.kernels.matmul._xla_single_row);
+# used only where the CPU kernel is not.
 CPU_MATVEC_ROW_BLOCKS = 8
-
-
-def _small_matvec(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [B, T, I] times w [O, I] (an [out, in] weight) -> [B, T, O].
-
-    A single row (B = T = 1: a batch-1 decode step) on CPU runs as ``CPU_MATVEC_ROW_BLOCKS``
-    row blocks of ``w`` in one batched dot (see above; the blocks are a free reshape of ``w``).
-    Everything else is the plain matmul.
-    """
-    b, t, _ = x.shape
-    o, i = w.shape
-    blocks = CPU_MATVEC_ROW_BLOCKS
-    if jax.default_backend() != "cpu" or b * t != 1 or o % blocks:
-        return jnp.einsum("BTI,OI->BTO", x, w)
-    xb = jnp.broadcast_to(x, (blocks,) + x.shape)
-    y = jnp.einsum("PBTI,POI->BTPO", xb, w.reshape(blocks, o // blocks, i))
-    return y.reshape(b, t, o)
 
 
 def _layer(p: Params, cfg: TargetConfig, h: jax.Array, positions: jax.Array,
@@ -129,7 +112,7 @@ def _layer(p: Params, cfg: TargetConfig, h: jax.Array, positions: jax.Array,
     n, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     g = n // kv
     x = rms_norm(h, p["attn_norm"], cfg.rms_norm_eps)
-    qkv = jnp.einsum("BTD,OD->BTO", x, p["wqkv"].reshape(-1, d)).reshape(b, t, kv, g + 2, hd)
+    qkv = rows_matmul(x, p["wqkv"].reshape(-1, d)).reshape(b, t, kv, g + 2, hd)
     if cfg.attention_bias:
         qkv = qkv + p["bqkv"]
     q, k, v = qkv[:, :, :, :g].reshape(b, t, n, hd), qkv[:, :, :, g], qkv[:, :, :, g + 1]
@@ -141,11 +124,11 @@ def _layer(p: Params, cfg: TargetConfig, h: jax.Array, positions: jax.Array,
     v = v.transpose(0, 2, 1, 3)  # [B, K, T, H]
     blocks = [(k, v, new_mask)] if past is None else [past, (k, v, new_mask)]
     attn = attention(q, blocks).reshape(b, t, n * hd)
-    h = h + _small_matvec(attn, p["wo"].reshape(d, n * hd))
+    h = h + rows_matmul(attn, p["wo"].reshape(d, n * hd), xla_single_row_blocks=CPU_MATVEC_ROW_BLOCKS)
     x = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
-    gate_up = jnp.einsum("BTD,OD->BTO", x, p["w_gate_up"].reshape(-1, d)).reshape(b, t, 2, -1)
+    gate_up = rows_matmul(x, p["w_gate_up"].reshape(-1, d)).reshape(b, t, 2, -1)
     mlp = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
-    return h + jnp.einsum("BTF,DF->BTD", mlp, p["w_down"]), k, v
+    return h + rows_matmul(mlp, p["w_down"]), k, v
 
 
 def forward(
@@ -314,6 +297,8 @@ def _write_cache(cache: KVCache, new_k, new_v, after: jax.Array) -> KVCache:
 def output_logits(params: Params, cfg: TargetConfig, hidden: jax.Array) -> jax.Array:
     """Final-normed hidden [B, T, D] -> float32 logits [B, T, V] (tied or untied head)."""
     if cfg.tie_word_embeddings:
+        if hidden.dtype == jnp.float32 == params["embed"].dtype:
+            return rows_matmul(hidden, params["embed"])  # [V, D] is [out, in]
         return jnp.einsum("BTD,VD->BTV", hidden, params["embed"],
                           preferred_element_type=jnp.float32)
     return jnp.einsum("BTD,DV->BTV", hidden, params["lm_head"], preferred_element_type=jnp.float32)

@@ -1,0 +1,266 @@
+// A matmul for few rows against an [out, in] weight, for XLA on CPU, through the XLA FFI.
+//
+//   y[m, o] = sum_i x[m, i] * w[o, i]      x [M, I] f32, w [O, I] f32, y [M, O] f32
+//
+// Why: XLA CPU runs a dot with few rows (M = 1..64: a decode step, a draft-tree verification)
+// as a general matmul that packs the whole weight into a scratch layout on every call, so a
+// forward that should cost one read of the weights costs several (issue 11 in the repository:
+// about 25 GFLOP/s where the machine does 10x that). Here each weight row is read from memory
+// once per call and used for all M rows while it is in L1.
+//
+// How:
+//  * micro-kernel: RO = 4 weight rows x RM <= 6 input rows, 24 AVX-512 accumulators of 16
+//    lanes (or 4 x 3 with AVX2: 12 of 8 lanes), one pass over `in` with the weight rows two
+//    blocks ahead prefetched; the lanes are summed at the end in a fixed order. Every y[m, o] is
+//    therefore computed by the same instructions whatever M is and wherever the row falls in a
+//    block: a row's result does not depend on how many rows are in the call (a verification
+//    forward and a decode step see bit-identical matmuls).
+//  * threads: `out` is cut into chunks; the calling thread and up to (pool size) tasks on XLA's
+//    intra-op pool take chunks from an atomic counter; the caller returns when all chunks are
+//    done (a late task finds none and exits). Chunk boundaries never change a result.
+//  * x86-64 with AVX2 and FMA (AVX-512F used where present); `eagle3_rows_matmul_supported()`
+//    says whether this CPU can run it, and the Python side falls back to the XLA dot when it cannot (or the library is
+//    absent: eagle3_jax/kernels/matmul.py).
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define EAGLE3_X86 1
+#else
+#define EAGLE3_X86 0
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if EAGLE3_X86
+
+// ---- AVX-512: 4 weight rows x up to 6 input rows, 24 accumulators of 16 lanes. ------------
+constexpr int kOut512 = 4, kRows512 = 6;
+
+// Prefetch the weight rows two blocks ahead into L1 while this block's are used: the hardware
+// prefetcher alone leaves a single core short of the memory bandwidth on these short rows.
+template <int RO>
+__attribute__((always_inline)) inline void PrefetchAhead(const float* w, int64_t in, int64_t i) {
+  for (int r = 0; r < RO; ++r)
+    _mm_prefetch(reinterpret_cast<const char*>(w + (r + 2 * RO) * in + i), _MM_HINT_T0);
+}
+
+// y[m * ldy + r] = sum_i x[m * ldx + i] * w[r * in + i], r < RO, m < RM. The `in` tail (in % 16)
+// is a masked load, so every element is summed by the same instructions.
+template <int RO, int RM>
+__attribute__((target("avx512f"), always_inline)) inline void Micro512(
+    const float* x, int64_t ldx, const float* w, int64_t in, float* y, int64_t ldy) {
+  __m512 acc[RO][RM];
+  for (int r = 0; r < RO; ++r)
+    for (int m = 0; m < RM; ++m) acc[r][m] = _mm512_setzero_ps();
+  const int64_t vec_end = in - in % 16;
+  for (int64_t i = 0; i < vec_end; i += 16) {
+    __m512 wv[RO];
+    for (int r = 0; r < RO; ++r) wv[r] = _mm512_loadu_ps(w + r * in + i);
+    PrefetchAhead<RO>(w, in, i);
+    for (int m = 0; m < RM; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * ldx + i);
+      for (int r = 0; r < RO; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  }
+  if (vec_end < in) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (in - vec_end)) - 1);
+    __m512 wv[RO];
+    for (int r = 0; r < RO; ++r) wv[r] = _mm512_maskz_loadu_ps(tail, w + r * in + vec_end);
+    for (int m = 0; m < RM; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * ldx + vec_end);
+      for (int r = 0; r < RO; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < RO; ++r)
+    for (int m = 0; m < RM; ++m) y[m * ldy + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+template <int RO>
+__attribute__((target("avx512f"))) void AllRows512(const float* x, int64_t rows, const float* w,
+                                                   int64_t in, float* y, int64_t out) {
+  int64_t m = 0;
+  for (; m + kRows512 <= rows; m += kRows512)
+    Micro512<RO, kRows512>(x + m * in, in, w, in, y + m * out, out);
+  const float* xr = x + m * in;
+  float* yr = y + m * out;
+  switch (rows - m) {
+    case 1: Micro512<RO, 1>(xr, in, w, in, yr, out); break;
+    case 2: Micro512<RO, 2>(xr, in, w, in, yr, out); break;
+    case 3: Micro512<RO, 3>(xr, in, w, in, yr, out); break;
+    case 4: Micro512<RO, 4>(xr, in, w, in, yr, out); break;
+    case 5: Micro512<RO, 5>(xr, in, w, in, yr, out); break;
+    default: break;
+  }
+}
+
+__attribute__((target("avx512f"))) void OutRange512(const float* x, int64_t rows, const float* w,
+                                                    int64_t in, float* y, int64_t out,
+                                                    int64_t begin, int64_t end) {
+  int64_t o = begin;
+  for (; o + kOut512 <= end; o += kOut512) AllRows512<kOut512>(x, rows, w + o * in, in, y + o, out);
+  for (; o < end; ++o) AllRows512<1>(x, rows, w + o * in, in, y + o, out);
+}
+
+// ---- AVX2 + FMA: 4 weight rows x up to 3 input rows, 12 accumulators of 8 lanes. -----------
+constexpr int kOut256 = 4, kRows256 = 3;
+
+__attribute__((target("avx2,fma"))) inline float HorizontalSum(__m256 v) {
+  // ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)): a fixed order, the same for every element.
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int RO, int RM>
+__attribute__((target("avx2,fma"), always_inline)) inline void Micro256(
+    const float* x, int64_t ldx, const float* w, int64_t in, float* y, int64_t ldy) {
+  __m256 acc[RO][RM];
+  for (int r = 0; r < RO; ++r)
+    for (int m = 0; m < RM; ++m) acc[r][m] = _mm256_setzero_ps();
+  const int64_t vec_end = in - in % 8;
+  for (int64_t i = 0; i < vec_end; i += 8) {
+    __m256 wv[RO];
+    for (int r = 0; r < RO; ++r) wv[r] = _mm256_loadu_ps(w + r * in + i);
+    PrefetchAhead<RO>(w, in, i);
+    for (int m = 0; m < RM; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * ldx + i);
+      for (int r = 0; r < RO; ++r) acc[r][m] = _mm256_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < RO; ++r) {
+    for (int m = 0; m < RM; ++m) {
+      float s = HorizontalSum(acc[r][m]);
+      for (int64_t i = vec_end; i < in; ++i) s += w[r * in + i] * x[m * ldx + i];
+      y[m * ldy + r] = s;
+    }
+  }
+}
+
+template <int RO>
+__attribute__((target("avx2,fma"))) void AllRows256(const float* x, int64_t rows, const float* w,
+                                                    int64_t in, float* y, int64_t out) {
+  int64_t m = 0;
+  for (; m + kRows256 <= rows; m += kRows256)
+    Micro256<RO, kRows256>(x + m * in, in, w, in, y + m * out, out);
+  const float* xr = x + m * in;
+  float* yr = y + m * out;
+  switch (rows - m) {
+    case 1: Micro256<RO, 1>(xr, in, w, in, yr, out); break;
+    case 2: Micro256<RO, 2>(xr, in, w, in, yr, out); break;
+    default: break;
+  }
+}
+
+__attribute__((target("avx2,fma"))) void OutRange256(const float* x, int64_t rows, const float* w,
+                                                     int64_t in, float* y, int64_t out,
+                                                     int64_t begin, int64_t end) {
+  int64_t o = begin;
+  for (; o + kOut256 <= end; o += kOut256) AllRows256<kOut256>(x, rows, w + o * in, in, y + o, out);
+  for (; o < end; ++o) AllRows256<1>(x, rows, w + o * in, in, y + o, out);
+}
+
+using OutRangeFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t,
+                            int64_t, int64_t);
+
+// The widest variant this CPU runs (decided once).
+OutRangeFn SelectOutRange() {
+  if (__builtin_cpu_supports("avx512f")) return OutRange512;
+  return OutRange256;
+}
+
+const OutRangeFn kOutRange = SelectOutRange();
+
+#endif  // EAGLE3_X86
+
+struct Job {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t rows, in, out, chunk, num_chunks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Work() {
+#if EAGLE3_X86
+    for (int64_t c = next.fetch_add(1); c < num_chunks; c = next.fetch_add(1)) {
+      const int64_t begin = c * chunk;
+      const int64_t end = begin + chunk < out ? begin + chunk : out;
+      kOutRange(x, rows, w, in, y, out, begin, end);
+      done.fetch_add(1, std::memory_order_release);
+    }
+#endif
+  }
+};
+
+// Chunks of `out`: about 4 per thread (load balance), at least 32 rows of w, a multiple of 4
+// (the micro-kernels' weight rows).
+int64_t ChunkSize(int64_t out, int64_t threads) {
+  int64_t chunk = (out + 4 * threads - 1) / (4 * threads);
+  if (chunk < 32) chunk = 32;
+  return (chunk + 3) / 4 * 4;
+}
+
+ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                          ffi::ResultBuffer<ffi::F32> y) {
+#if EAGLE3_X86
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  if (w_dims.size() != 2 || x_dims.size() < 1)
+    return ffi::Error::InvalidArgument("rows_matmul: w must be [out, in] and x [..., in]");
+  const int64_t out = w_dims[0], in = w_dims[1];
+  if (x_dims[x_dims.size() - 1] != in)
+    return ffi::Error::InvalidArgument("rows_matmul: x's last axis must equal w's `in`");
+  const int64_t rows = x.element_count() / (in > 0 ? in : 1);
+  if (rows == 0 || out == 0) return ffi::Error::Success();
+  if (in == 0) {
+    std::memset(y->typed_data(), 0, sizeof(float) * rows * out);
+    return ffi::Error::Success();
+  }
+  int64_t threads = pool.num_threads();
+  if (threads < 1) threads = 1;
+  auto job = std::make_shared<Job>();
+  job->x = x.typed_data();
+  job->w = w.typed_data();
+  job->y = y->typed_data();
+  job->rows = rows;
+  job->in = in;
+  job->out = out;
+  job->chunk = ChunkSize(out, threads);
+  job->num_chunks = (out + job->chunk - 1) / job->chunk;
+  const int64_t helpers = job->num_chunks - 1 < threads ? job->num_chunks - 1 : threads;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { job->Work(); });
+  job->Work();
+  while (job->done.load(std::memory_order_acquire) < job->num_chunks) _mm_pause();
+  return ffi::Error::Success();
+#else
+  return ffi::Error::Internal("rows_matmul: built for a CPU other than x86-64");
+#endif
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Eagle3RowsMatmul, RowsMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// 1 when this CPU can run the kernel (x86-64 with AVX2 and FMA), else 0.
+extern "C" int eagle3_rows_matmul_supported() {
+#if EAGLE3_X86
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+#else
+  return 0;
+#endif
+}

@@ -1,0 +1,140 @@
+"""``rows_matmul(x, w)``: x [..., I] times an [out, in] weight w [O, I] -> [..., O].
+
+On CPU, for float32 and at most ``KERNEL_MAX_ROWS`` rows (a decode step, a draft step, a tree
+verification), this runs the package's C++ kernel (``kernels/cpu/rows_matmul.cc``, an XLA FFI
+custom call built by the install): each weight row is read from memory once and used for every
+row of x while it is in L1, on all of XLA's intra-op threads. XLA CPU instead runs such a dot
+as a general matmul that repacks the whole weight on every call (``bench forward`` shows both).
+Everywhere else, and wherever the kernel is missing (no compiler at install, a CPU without
+AVX2/FMA, ``EAGLE3_JAX_CPU_KERNEL=0``), it is the XLA dot ``einsum("...I,OI->...O")``.
+
+The choice is made at trace time from the shape and dtype and, inside the program, per backend
+(``lax.platform_dependent``): a program lowered for an accelerator holds only the XLA dot. The
+kernel is a custom call, so it stays inside ``jit``, ``while_loop`` and ``scan`` with no host
+round trip. Each output element is computed by the same instructions whatever the number of
+rows, so a row's result does not depend on the batch it is computed in. Differentiable: the
+JVP (and so the gradient) is the XLA dot's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import math
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+# Above this many rows the matmul is compute-bound and XLA's packed GEMM is as fast or faster
+# (``python -m eagle3_jax.bench forward --kernels`` measures the crossover on this machine).
+KERNEL_MAX_ROWS = 64
+ENV_SWITCH = "EAGLE3_JAX_CPU_KERNEL"  # "0" turns the kernel off (the XLA dot everywhere)
+FFI_TARGET = "eagle3_rows_matmul"
+_LIBRARY_STEM = "_rows_matmul"
+
+_enabled_override: bool | None = None
+
+
+def _library_path() -> Path | None:
+    """The built kernel library next to this file (any extension suffix), or None."""
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"{_LIBRARY_STEM}{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+@functools.cache
+def _load() -> tuple[bool, str]:
+    """Load and register the kernel once: (available, why not / where from)."""
+    path = _library_path()
+    if path is None:
+        return False, ("not built (no C++ compiler at install time?); "
+                       "reinstall with `pip install -e .` to build it")
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return False, f"cannot load {path.name}: {e}"
+    if not lib.eagle3_rows_matmul_supported():
+        return False, "this CPU lacks AVX2/FMA (or is not x86-64)"
+    jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(lib.Eagle3RowsMatmul),
+                                platform="cpu")
+    return True, str(path)
+
+
+def set_kernel_enabled(enabled: bool | None) -> bool | None:
+    """Force the kernel on/off for matmuls traced from now on (None: back to the default, on
+    unless ``EAGLE3_JAX_CPU_KERNEL=0``). Returns the previous setting. Already-compiled
+    functions keep what they were traced with (``jax.clear_caches()`` drops them)."""
+    global _enabled_override
+    previous, _enabled_override = _enabled_override, enabled
+    return previous
+
+
+def _enabled() -> bool:
+    if _enabled_override is not None:
+        return _enabled_override
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def kernel_status() -> str:
+    """One line: whether matmuls of few rows use the CPU kernel here, and if not why."""
+    available, detail = _load()
+    if not available:
+        return f"CPU kernel unavailable: {detail}; few-row matmuls use the XLA dot"
+    if not _enabled():
+        return f"CPU kernel off ({ENV_SWITCH}=0): few-row matmuls use the XLA dot"
+    return f"CPU kernel in use for float32 matmuls of <= {KERNEL_MAX_ROWS} rows ({detail})"
+
+
+def uses_kernel(rows: int, dtype) -> bool:
+    """Whether a matmul of ``rows`` rows of ``dtype`` traced now on CPU would use the kernel."""
+    return (0 < rows <= KERNEL_MAX_ROWS and jnp.dtype(dtype) == jnp.float32 and _enabled()
+            and jax.default_backend() == "cpu" and _load()[0])
+
+
+def _xla_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum("...I,OI->...O", x, w)
+
+
+def _xla_single_row(x: jax.Array, w: jax.Array, blocks: int) -> jax.Array:
+    """One row through XLA CPU as ``blocks`` row blocks of ``w`` in one batched dot: XLA runs
+    a matrix-vector dot as small as SmolLM2's attention output projection (1.3 MB) on one
+    core, and a batched one on every core (27.5 -> 25.0 ms per decode step on 2 cores; more
+    blocks, other projections or 2+ rows gain nothing)."""
+    o, i = w.shape
+    xb = jnp.broadcast_to(x.reshape(1, i), (blocks, 1, i))
+    return jnp.einsum("PMI,POI->MPO", xb, w.reshape(blocks, o // blocks, i)).reshape(x.shape[:-1] + (o,))
+
+
+@jax.custom_jvp
+def _kernel_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    out_type = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0],), x.dtype)
+    call = jax.ffi.ffi_call(FFI_TARGET, out_type, vmap_method="sequential")
+    return call(x, w)
+
+
+@_kernel_dot.defjvp
+def _kernel_dot_jvp(primals, tangents):
+    x, w = primals
+    dx, dw = tangents
+    return _kernel_dot(x, w), _xla_dot(dx, w) + _xla_dot(x, dw)
+
+
+def rows_matmul(x: jax.Array, w: jax.Array, *, xla_single_row_blocks: int = 1) -> jax.Array:
+    """x [..., I] @ w[O, I].T -> [..., O] (w in the [out, in] layout of ``to_serving``).
+
+    ``xla_single_row_blocks`` > 1: where the XLA dot runs on CPU for a single row, split ``w``
+    into that many row blocks (see ``_xla_single_row``); the kernel ignores it.
+    """
+    rows = math.prod(x.shape[:-1])
+    if x.dtype == w.dtype and uses_kernel(rows, x.dtype):
+        return jax.lax.platform_dependent(x, w, cpu=_kernel_dot, default=_xla_dot)
+    blocks = xla_single_row_blocks
+    if rows == 1 and blocks > 1 and w.shape[0] % blocks == 0 and jax.default_backend() == "cpu":
+        return _xla_single_row(x, w, blocks)
+    return _xla_dot(x, w)

@@ -1,0 +1,153 @@
+"""The CPU kernel for few-row matmuls (``eagle3_jax.kernels.matmul``) against the XLA dot.
+
+Pinned at fixed tolerances to the XLA dot (and to a float64 product) for every matmul shape of
+every shipped target preset and of the draft head, at the row counts decoding uses (1 to 64);
+a row's result is bit-identical whatever the number of rows it is computed with; it runs inside
+``jit`` and a ``while_loop``; its gradient is the dot's; and the pure-XLA fallback is what runs
+when the kernel is absent, switched off, or lowered for another backend.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle3_jax.kernels import matmul as rm
+from eagle3_jax.presets import list_presets, load_preset
+
+KERNEL_EXPECTED = platform.machine() in ("x86_64", "AMD64") and shutil.which("c++") is not None
+ROWS = (1, 2, 3, 5, 6, 7, 8, 13, 16, 31, 64)
+# Relative to the largest |y|: float32 sums of up to 14k products of order-one terms.
+RTOL = 2e-6
+
+
+def _model_shapes() -> set[tuple[int, int]]:
+    """(out, in) of every serving matmul of every preset (q/k/v fused, wo, gate/up fused, down,
+    the tied output head), and of the draft head (fc, q/k/v, o, MLP, lm_head)."""
+    shapes = set()
+    for name in list_presets():
+        c = load_preset(name).target
+        d, f, h = c.hidden_size, c.intermediate_size, c.head_dim
+        shapes |= {((c.num_heads + 2 * c.num_kv_heads) * h, d), (d, c.num_heads * h),
+                   (2 * f, d), (d, f), (c.vocab_size, d)}
+        shapes |= {(d, 3 * d), (c.num_heads * h, 2 * d), (c.num_kv_heads * h, 2 * d)}
+    return shapes
+
+
+def _clip(out: int) -> int:
+    """Large outputs are cut to 257 rows of w (odd: the one-row tail; > one chunk): the kernel
+    runs the same instructions per output row whatever `out` is, and `in` is kept whole."""
+    return min(out, 257)
+
+
+def _random(shape, seed):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+@pytest.fixture(autouse=True)
+def _default_switch():
+    previous = rm.set_kernel_enabled(None)
+    yield
+    rm.set_kernel_enabled(previous)
+
+
+def _lowered_text(fn, *args) -> str:
+    return jax.jit(fn).lower(*args).as_text()
+
+
+@pytest.mark.skipif(not KERNEL_EXPECTED, reason="the kernel needs x86-64 and a C++ compiler")
+def test_the_kernel_is_built_and_used_here():
+    assert "in use" in rm.kernel_status(), rm.kernel_status()
+    x, w = _random((8, 64), 0), _random((32, 64), 1)
+    assert rm.FFI_TARGET in _lowered_text(rm.rows_matmul, x, w)
+    assert rm.FFI_TARGET not in _lowered_text(rm.rows_matmul, _random((65, 64), 2), w)
+
+
+@pytest.mark.skipif(not KERNEL_EXPECTED, reason="the kernel needs x86-64 and a C++ compiler")
+@pytest.mark.parametrize("out,inner", sorted(_model_shapes()))
+def test_kernel_matches_the_xla_dot_on_every_model_shape(out, inner):
+    w = _random((_clip(out), inner), out * 7 + inner)
+    x64 = _random((max(ROWS), inner), inner)
+    kernel = jax.jit(rm.rows_matmul)
+    dot = jax.jit(rm._xla_dot)
+    ref = np.asarray(x64, np.float64) @ np.asarray(w, np.float64).T
+    first_row = None
+    for rows in ROWS:
+        y = np.asarray(kernel(x64[:rows], w))
+        scale = np.abs(ref[:rows]).max()
+        np.testing.assert_allclose(y, ref[:rows], rtol=0, atol=RTOL * scale)
+        np.testing.assert_allclose(y, np.asarray(dot(x64[:rows], w)), rtol=0, atol=RTOL * scale)
+        if first_row is None:
+            first_row = y[0]
+        # The same row gives the same bits whatever the number of rows computed with it.
+        np.testing.assert_array_equal(y[0], first_row)
+
+
+@pytest.mark.skipif(not KERNEL_EXPECTED, reason="the kernel needs x86-64 and a C++ compiler")
+@pytest.mark.parametrize("out,inner", [(1, 1), (3, 5), (17, 9), (2, 8), (40, 15)])
+def test_kernel_on_small_and_ragged_shapes(out, inner):
+    """Tails in every direction: `in` not a multiple of 8, odd `out`, fewer rows than a block."""
+    w = _random((out, inner), 11)
+    for rows in (1, 4, 6, 7, 12):
+        x = _random((rows, inner), rows)
+        ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+        np.testing.assert_allclose(np.asarray(jax.jit(rm.rows_matmul)(x, w)), ref,
+                                   rtol=0, atol=RTOL * max(np.abs(ref).max(), 1.0))
+
+
+@pytest.mark.skipif(not KERNEL_EXPECTED, reason="the kernel needs x86-64 and a C++ compiler")
+def test_kernel_in_a_while_loop_with_leading_axes_and_a_gradient():
+    w = _random((48, 40), 3) / np.sqrt(40)  # unit-scale outputs: round-off is not amplified
+    x = _random((2, 3, 40), 4)  # leading axes are rows: 6
+
+    def loop(x):
+        return jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(rm.rows_matmul(h, w[:40])), x)
+
+    def loop_ref(x):
+        return jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(rm._xla_dot(h, w[:40])), x)
+
+    assert rm.FFI_TARGET in _lowered_text(loop, x)
+    np.testing.assert_allclose(np.asarray(jax.jit(loop)(x)), np.asarray(jax.jit(loop_ref)(x)),
+                               rtol=1e-5, atol=1e-6)
+    loss = lambda f: (lambda x, w: jnp.sum(jnp.sin(f(x, w))))
+    got = jax.grad(loss(rm.rows_matmul), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(rm._xla_dot), argnums=(0, 1))(x, w)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+
+
+def test_fallback_when_switched_off_absent_or_not_float32(monkeypatch):
+    """The XLA dot, and the same numbers, when the kernel is switched off or missing, for
+    bfloat16, for more rows than the kernel takes, and when lowered for a TPU."""
+    x, w = _random((4, 24), 5), _random((16, 24), 6)
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    rm.set_kernel_enabled(False)
+    assert rm.FFI_TARGET not in _lowered_text(rm.rows_matmul, x, w)
+    assert "off" in rm.kernel_status()
+    np.testing.assert_allclose(np.asarray(jax.jit(rm.rows_matmul)(x, w)), ref, rtol=1e-5,
+                               atol=1e-5)
+    rm.set_kernel_enabled(None)
+    monkeypatch.setattr(rm, "_load", lambda: (False, "not built (test)"))
+    assert rm.FFI_TARGET not in _lowered_text(rm.rows_matmul, x, w)
+    assert "unavailable: not built (test)" in rm.kernel_status()
+    monkeypatch.undo()
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    assert rm.FFI_TARGET not in _lowered_text(rm.rows_matmul, xb, wb)
+    if rm._load()[0]:
+        tpu = jax.jit(rm.rows_matmul).trace(x, w).lower(lowering_platforms=("tpu",)).as_text()
+        assert rm.FFI_TARGET not in tpu
+
+
+def test_single_row_blocks_fallback_equals_the_dot():
+    """The XLA fallback's row-block form of a one-row product (used for the attention output
+    projection when the kernel is not) computes the same product."""
+    rm.set_kernel_enabled(False)
+    x, w = _random((1, 1, 24), 7), _random((40, 24), 8)
+    y = jax.jit(lambda x, w: rm.rows_matmul(x, w, xla_single_row_blocks=8))(x, w)
+    np.testing.assert_allclose(np.asarray(y), np.einsum("bti,oi->bto", np.asarray(x, np.float64),
+                                                        np.asarray(w)), rtol=1e-5, atol=1e-5)
