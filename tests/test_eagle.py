@@ -257,12 +257,16 @@ def test_commit_equals_recomputing_the_caches(models):
         ref = _jit_forward(params, cfg, seq, jnp.arange(end)[None],
                            causal_mask(jnp.zeros((1,), jnp.int32), end, 64),
                            KVCache.zeros(cfg, 1, 64), tap_layers=head.cfg.tap_layers)
-        # Keys [B, K, H, S] and values [B, K, S, H], compared slot-major.
+        # Keys [B, K, H, S] and values [B, K, S, H], compared slot-major, layer by layer to
+        # float32 round-off relative to the layer's scale: the tree verification and the prefill
+        # sum in different orders (other row counts, other attention blocks).
         for got, want in ((state.cache.k, ref.cache.k), (state.cache.v, ref.cache.v)):
             if got is state.cache.k:
                 got, want = [x.swapaxes(-1, -2) for x in got], [x.swapaxes(-1, -2) for x in want]
-            np.testing.assert_allclose(np.stack(got)[:, b, :, :end],
-                                       np.stack(want)[:, 0, :, :end], atol=2e-5)
+            for g_layer, w_layer in zip(got, want):
+                w_layer = np.asarray(w_layer)[0, :, :end]
+                np.testing.assert_allclose(np.asarray(g_layer)[b, :, :end], w_layer,
+                                           atol=1e-5 * np.abs(w_layer).max())
         # The draft cache equals a draft prefill over the same context from scratch.
         nxt = jnp.asarray(np.append(committed[1:], emitted[-1]))[None]
         _, _, dk, _ = _jit_draft_step(head.params, head.cfg, params["embed"][nxt],

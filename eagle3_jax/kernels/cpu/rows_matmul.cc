@@ -24,6 +24,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 
@@ -45,12 +46,18 @@ namespace {
 // ---- AVX-512: 4 weight rows x up to 6 input rows, 24 accumulators of 16 lanes. ------------
 constexpr int kOut512 = 4, kRows512 = 6;
 
-// Prefetch the weight rows two blocks ahead into L1 while this block's are used: the hardware
-// prefetcher alone leaves a single core short of the memory bandwidth on these short rows.
+// Prefetch the weight rows two blocks ahead into L1 while this block's are used: with several
+// rows per block the hardware prefetcher alone falls behind (8 rows: 33 -> 24 ms for SmolLM2's
+// matrices on one core); with one row it keeps up, and the prefetches only cost issue slots.
+#ifndef EAGLE3_PREFETCH_BLOCKS
+#define EAGLE3_PREFETCH_BLOCKS 2
+#endif
+constexpr int kPrefetchBlocks = EAGLE3_PREFETCH_BLOCKS;
+
 template <int RO>
 __attribute__((always_inline)) inline void PrefetchAhead(const float* w, int64_t in, int64_t i) {
   for (int r = 0; r < RO; ++r)
-    _mm_prefetch(reinterpret_cast<const char*>(w + (r + 2 * RO) * in + i), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (r + kPrefetchBlocks * RO) * in + i), _MM_HINT_T0);
 }
 
 // y[m * ldy + r] = sum_i x[m * ldx + i] * w[r * in + i], r < RO, m < RM. The `in` tail (in % 16)
@@ -65,7 +72,7 @@ __attribute__((target("avx512f"), always_inline)) inline void Micro512(
   for (int64_t i = 0; i < vec_end; i += 16) {
     __m512 wv[RO];
     for (int r = 0; r < RO; ++r) wv[r] = _mm512_loadu_ps(w + r * in + i);
-    PrefetchAhead<RO>(w, in, i);
+    if (RM > 1) PrefetchAhead<RO>(w, in, i);  // one row: the hardware prefetcher keeps up
     for (int m = 0; m < RM; ++m) {
       const __m512 xv = _mm512_loadu_ps(x + m * ldx + i);
       for (int r = 0; r < RO; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
@@ -85,20 +92,31 @@ __attribute__((target("avx512f"), always_inline)) inline void Micro512(
 }
 
 template <int RO>
+__attribute__((target("avx512f"))) inline void Rows512(const float* x, int64_t n, const float* w,
+                                                       int64_t in, float* y, int64_t out) {
+  switch (n) {
+    case 1: Micro512<RO, 1>(x, in, w, in, y, out); break;
+    case 2: Micro512<RO, 2>(x, in, w, in, y, out); break;
+    case 3: Micro512<RO, 3>(x, in, w, in, y, out); break;
+    case 4: Micro512<RO, 4>(x, in, w, in, y, out); break;
+    case 5: Micro512<RO, 5>(x, in, w, in, y, out); break;
+    case 6: Micro512<RO, 6>(x, in, w, in, y, out); break;
+    default: break;
+  }
+}
+
+// All rows against RO weight rows, in blocks of at most kRows512 rows made as even as possible
+// (8 rows: 4 + 4, not 6 + 2: a 2-row block runs the FMA units at a third of their rate).
+template <int RO>
 __attribute__((target("avx512f"))) void AllRows512(const float* x, int64_t rows, const float* w,
                                                    int64_t in, float* y, int64_t out) {
+  const int64_t blocks = (rows + kRows512 - 1) / kRows512;
+  const int64_t base = rows / blocks, extra = rows % blocks;  // `extra` blocks get base + 1
   int64_t m = 0;
-  for (; m + kRows512 <= rows; m += kRows512)
-    Micro512<RO, kRows512>(x + m * in, in, w, in, y + m * out, out);
-  const float* xr = x + m * in;
-  float* yr = y + m * out;
-  switch (rows - m) {
-    case 1: Micro512<RO, 1>(xr, in, w, in, yr, out); break;
-    case 2: Micro512<RO, 2>(xr, in, w, in, yr, out); break;
-    case 3: Micro512<RO, 3>(xr, in, w, in, yr, out); break;
-    case 4: Micro512<RO, 4>(xr, in, w, in, yr, out); break;
-    case 5: Micro512<RO, 5>(xr, in, w, in, yr, out); break;
-    default: break;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t n = base + (b < extra ? 1 : 0);
+    Rows512<RO>(x + m * in, n, w, in, y + m * out, out);
+    m += n;
   }
 }
 
@@ -228,6 +246,10 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   }
   int64_t threads = pool.num_threads();
   if (threads < 1) threads = 1;
+  if (const char* cap = std::getenv("EAGLE3_JAX_CPU_KERNEL_THREADS")) {
+    const int64_t n = std::atoll(cap);
+    if (n >= 1 && n < threads) threads = n;
+  }
   auto job = std::make_shared<Job>();
   job->x = x.typed_data();
   job->w = w.typed_data();
@@ -237,7 +259,7 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   job->out = out;
   job->chunk = ChunkSize(out, threads);
   job->num_chunks = (out + job->chunk - 1) / job->chunk;
-  const int64_t helpers = job->num_chunks - 1 < threads ? job->num_chunks - 1 : threads;
+  const int64_t helpers = job->num_chunks - 1 < threads - 1 ? job->num_chunks - 1 : threads - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { job->Work(); });
   job->Work();
   while (job->done.load(std::memory_order_acquire) < job->num_chunks) _mm_pause();
