@@ -108,9 +108,27 @@ def test_a_tree_slower_than_plain_decoding_says_so():
     # A weak head on a steep curve: the best tree still loses to one decode step per token.
     costs = CostModel(target={t: 0.010 + 0.010 * t for t in SIZES}, draft=CHEAP_DRAFT)
     weak = select_tree(costs, [0.1])
-    assert weak.predicted_speedup < 1 and "--mode vanilla is faster" in weak.describe()
+    assert weak.predicted_speedup < 1 and not weak.pays_off
+    assert "--mode vanilla is faster" in weak.describe()
     strong = select_tree(CostModel(target={t: 0.010 for t in SIZES}, draft=CHEAP_DRAFT), [0.9])
-    assert "vanilla" not in strong.describe()
+    assert strong.pays_off and "vanilla" not in strong.describe()
+
+
+def test_a_small_predicted_gain_is_within_the_models_error():
+    """A tree predicted a little faster than plain decoding (below MIN_PREDICTED_SPEEDUP: the
+    model leaves out the round's own work) does not pay off."""
+    from eagle3_jax.decoding.autotune import MIN_PREDICTED_SPEEDUP
+
+    # Flat curve, cheap draft: the speed-up is about tau, so the acceptance rate sets it.
+    for rate in (0.005, 0.01, 0.02, 0.03, 0.04, 0.05):
+        choice = select_tree(CostModel(target={t: 0.010 for t in SIZES}, draft=CHEAP_DRAFT),
+                             [rate])
+        assert choice.pays_off == (choice.predicted_speedup >= MIN_PREDICTED_SPEEDUP)
+        if 1 < choice.predicted_speedup < MIN_PREDICTED_SPEEDUP:
+            assert not choice.pays_off and "margin" in choice.describe()
+            break
+    else:
+        pytest.fail("no rate gave a speed-up between 1 and the margin")
 
 
 def test_better_heads_and_cheaper_drafts_grow_the_tree():

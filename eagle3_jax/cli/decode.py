@@ -311,7 +311,7 @@ def _run(args: argparse.Namespace, load_fn: Callable | None, head_for: Callable)
             choice = autotune(target, loaded, len(first), args.tree_top_k, args.depth,
                               accept_rates)
             tree = choice.tree
-            if choice.predicted_speedup < 1 and not (args.force_eagle or args.compare):
+            if not choice.pays_off and not (args.force_eagle or args.compare):
                 log("[decoding plainly: no draft tree is predicted to beat plain decoding on "
                     "this machine (--force-eagle keeps EAGLE)]")
                 mode, eagle = "vanilla", False
