@@ -22,8 +22,14 @@ from eagle3_jax.presets import list_presets, load_preset
 
 KERNEL_EXPECTED = platform.machine() in ("x86_64", "AMD64") and shutil.which("c++") is not None
 ROWS = (1, 2, 3, 5, 6, 7, 8, 13, 16, 31, 64)
-# Relative to the largest |y|: float32 sums of up to 14k products of order-one terms.
+# Relative to the largest |y|. [out, in]: 8/16 lane partial sums, then a fixed tree: 2e-6 for
+# sums of up to 14k order-one products. [in, out]: one sequential float32 sum per output, whose
+# round-off grows as sqrt(in) * eps (random walk; 4 sigma).
 RTOL = 2e-6
+
+
+def _rtol(in_out: bool, inner: int) -> float:
+    return 4 * np.sqrt(inner) * np.finfo(np.float32).eps if in_out else RTOL
 
 
 def _model_shapes() -> set[tuple[int, int]]:
@@ -66,22 +72,36 @@ def test_the_kernel_is_built_and_used_here():
     x, w = _random((8, 64), 0), _random((32, 64), 1)
     assert rm.FFI_TARGET in _lowered_text(rm.rows_matmul, x, w)
     assert rm.FFI_TARGET not in _lowered_text(rm.rows_matmul, _random((65, 64), 2), w)
+    in_out = _lowered_text(lambda x, w: rm.rows_matmul(x, w, in_out=True), x, w.T)
+    assert rm.FFI_TARGET_IN_OUT in in_out
+
+
+def _layout(in_out: bool, w: jax.Array):
+    """(kernel, XLA dot, w as an [out, in] float64 array) for a weight in either layout."""
+    if in_out:
+        return (jax.jit(lambda x, w: rm.rows_matmul(x, w, in_out=True)), jax.jit(rm._xla_dot_in_out),
+                np.asarray(w, np.float64).T)
+    return jax.jit(rm.rows_matmul), jax.jit(rm._xla_dot), np.asarray(w, np.float64)
 
 
 @pytest.mark.skipif(not KERNEL_EXPECTED, reason="the kernel needs x86-64 and a C++ compiler")
+@pytest.mark.parametrize("in_out", [False, True], ids=["out_in", "in_out"])
 @pytest.mark.parametrize("out,inner", sorted(_model_shapes()))
-def test_kernel_matches_the_xla_dot_on_every_model_shape(out, inner):
-    w = _random((_clip(out), inner), out * 7 + inner)
+def test_kernel_matches_the_xla_dot_on_every_model_shape(out, inner, in_out):
+    """Both weight layouts ([out, in]: the target's serving weights; [in, out]: the draft head
+    and an untied output head) on every shape (more than the models use of each)."""
+    shape = (inner, _clip(out)) if in_out else (_clip(out), inner)
+    w = _random(shape, out * 7 + inner)
     x64 = _random((max(ROWS), inner), inner)
-    kernel = jax.jit(rm.rows_matmul)
-    dot = jax.jit(rm._xla_dot)
-    ref = np.asarray(x64, np.float64) @ np.asarray(w, np.float64).T
+    kernel, dot, w_out_in = _layout(in_out, w)
+    ref = np.asarray(x64, np.float64) @ w_out_in.T
     first_row = None
+    rtol = _rtol(in_out, inner)
     for rows in ROWS:
         y = np.asarray(kernel(x64[:rows], w))
         scale = np.abs(ref[:rows]).max()
-        np.testing.assert_allclose(y, ref[:rows], rtol=0, atol=RTOL * scale)
-        np.testing.assert_allclose(y, np.asarray(dot(x64[:rows], w)), rtol=0, atol=RTOL * scale)
+        np.testing.assert_allclose(y, ref[:rows], rtol=0, atol=rtol * scale)
+        np.testing.assert_allclose(y, np.asarray(dot(x64[:rows], w)), rtol=0, atol=rtol * scale)
         if first_row is None:
             first_row = y[0]
         # The same row gives the same bits whatever the number of rows computed with it.
@@ -89,15 +109,19 @@ def test_kernel_matches_the_xla_dot_on_every_model_shape(out, inner):
 
 
 @pytest.mark.skipif(not KERNEL_EXPECTED, reason="the kernel needs x86-64 and a C++ compiler")
-@pytest.mark.parametrize("out,inner", [(1, 1), (3, 5), (17, 9), (2, 8), (40, 15)])
-def test_kernel_on_small_and_ragged_shapes(out, inner):
-    """Tails in every direction: `in` not a multiple of 8, odd `out`, fewer rows than a block."""
-    w = _random((out, inner), 11)
+@pytest.mark.parametrize("in_out", [False, True], ids=["out_in", "in_out"])
+@pytest.mark.parametrize("out,inner", [(1, 1), (3, 5), (17, 9), (2, 8), (40, 15), (70, 3),
+                                       (129, 7)])
+def test_kernel_on_small_and_ragged_shapes(out, inner, in_out):
+    """Tails in every direction: `in` not a multiple of 8, `out` not a multiple of 4 rows or of
+    a 64-column panel (masked vectors), fewer rows than a block."""
+    w = _random((inner, out) if in_out else (out, inner), 11)
+    kernel, _, w_out_in = _layout(in_out, w)
     for rows in (1, 4, 6, 7, 12):
         x = _random((rows, inner), rows)
-        ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
-        np.testing.assert_allclose(np.asarray(jax.jit(rm.rows_matmul)(x, w)), ref,
-                                   rtol=0, atol=RTOL * max(np.abs(ref).max(), 1.0))
+        ref = np.asarray(x, np.float64) @ w_out_in.T
+        np.testing.assert_allclose(np.asarray(kernel(x, w)), ref, rtol=0,
+                                   atol=_rtol(in_out, inner) * max(np.abs(ref).max(), 1.0))
 
 
 @pytest.mark.skipif(not KERNEL_EXPECTED, reason="the kernel needs x86-64 and a C++ compiler")
@@ -117,7 +141,10 @@ def test_kernel_in_a_while_loop_with_leading_axes_and_a_gradient():
     loss = lambda f: (lambda x, w: jnp.sum(jnp.sin(f(x, w))))
     got = jax.grad(loss(rm.rows_matmul), argnums=(0, 1))(x, w)
     want = jax.grad(loss(rm._xla_dot), argnums=(0, 1))(x, w)
-    for g, r in zip(got, want):
+    wt = jnp.asarray(w.T)
+    got_t = jax.grad(loss(lambda x, w: rm.rows_matmul(x, w, in_out=True)), argnums=(0, 1))(x, wt)
+    want_t = jax.grad(loss(rm._xla_dot_in_out), argnums=(0, 1))(x, wt)
+    for g, r in zip((*got, *got_t), (*want, *want_t)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
 
 

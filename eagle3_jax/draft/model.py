@@ -11,7 +11,9 @@ One draft step over T positions (B batch, D hidden, N/K heads, H head_dim, Vd dr
     logits = lm_head(final_norm(h))                                    [B, T, Vd]
 
 Training (``eagle3_jax.draft.ttt``) and decoding only differ in which keys each query sees, so
-both call :func:`project_qkv` and :func:`finish_layer` and supply their own attention.
+both call :func:`project_qkv` and :func:`finish_layer` and supply their own attention. The
+matmuls go through ``rows_matmul(..., in_out=True)``: the CPU kernel for the few rows of a draft
+step, the XLA dot for training's thousands.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax.draft.config import DraftConfig
+from eagle3_jax.kernels import rows_matmul
 from eagle3_jax.model.layers import (apply_rope, attention, empty_kv, rms_norm, rope_inv_freq,
                                      swiglu, write_kv)
 from eagle3_jax.model.params import Params
@@ -33,7 +36,7 @@ def fuse_taps(params: Params, cfg: DraftConfig, taps: jax.Array) -> jax.Array:
         b, t, _ = taps.shape
         per_tap = taps.reshape(b, t, cfg.num_taps, cfg.hidden_size)
         taps = rms_norm(per_tap, params["fc_norm"], cfg.rms_norm_eps).reshape(b, t, -1)
-    return jnp.einsum("BTF,FD->BTD", taps, params["fc"])
+    return rows_matmul(taps, params["fc"], in_out=True)
 
 
 def next_feature(params: Params, cfg: DraftConfig, h: jax.Array) -> jax.Array:
@@ -48,15 +51,20 @@ def project_qkv(params: Params, cfg: DraftConfig, embeds: jax.Array, g: jax.Arra
     x = jnp.concatenate([rms_norm(embeds.astype(g.dtype), params["attn_norm"], cfg.rms_norm_eps),
                          rms_norm(g, params["hidden_norm"], cfg.rms_norm_eps)], axis=-1)
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None)
-    q = apply_rope(jnp.einsum("BTE,ENH->BTNH", x, params["wq"]), positions, inv_freq)
-    k = apply_rope(jnp.einsum("BTE,EKH->BTKH", x, params["wk"]), positions, inv_freq)
-    v = jnp.einsum("BTE,EKH->BTKH", x, params["wv"])
-    return q, k, v
+    b, t, e = x.shape
+
+    def project(w):  # [E, heads, H] as an [in, out] matrix
+        return rows_matmul(x, w.reshape(e, -1), in_out=True).reshape(b, t, *w.shape[1:])
+
+    q = apply_rope(project(params["wq"]), positions, inv_freq)
+    k = apply_rope(project(params["wk"]), positions, inv_freq)
+    return q, k, project(params["wv"])
 
 
 def finish_layer(params: Params, cfg: DraftConfig, g: jax.Array, attn: jax.Array) -> jax.Array:
     """Residual around attention output [B, T, N, H], then the SwiGLU block -> h [B, T, D]."""
-    h = g + jnp.einsum("BTNH,NHD->BTD", attn, params["wo"])
+    b, t, n, hd = attn.shape
+    h = g + rows_matmul(attn.reshape(b, t, n * hd), params["wo"].reshape(n * hd, -1), in_out=True)
     x = rms_norm(h, params["mlp_norm"], cfg.rms_norm_eps)
     return h + swiglu(x, params["w_gate"], params["w_up"], params["w_down"])
 
@@ -64,6 +72,8 @@ def finish_layer(params: Params, cfg: DraftConfig, g: jax.Array, attn: jax.Array
 def draft_logits(params: Params, cfg: DraftConfig, h: jax.Array) -> jax.Array:
     """h [B, T, D] -> float32 logits over the draft vocabulary [B, T, Vd]."""
     x = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    if x.dtype == jnp.float32 == params["lm_head"].dtype:
+        return rows_matmul(x, params["lm_head"], in_out=True)
     return jnp.einsum("BTD,DV->BTV", x, params["lm_head"], preferred_element_type=jnp.float32)
 
 

@@ -1,4 +1,5 @@
-"""``rows_matmul(x, w)``: x [..., I] times an [out, in] weight w [O, I] -> [..., O].
+"""``rows_matmul(x, w)``: x [..., I] times an [out, in] weight w [O, I] -> [..., O]
+(``in_out=True``: times an [in, out] weight w [I, O], the draft head's layout).
 
 On CPU, for float32 and at most ``KERNEL_MAX_ROWS`` rows (a decode step, a draft step, a tree
 verification), this runs the package's C++ kernel (``kernels/cpu/rows_matmul.cc``, an XLA FFI
@@ -32,7 +33,8 @@ import jax.numpy as jnp
 # (``python -m eagle3_jax.bench forward --kernels`` measures the crossover on this machine).
 KERNEL_MAX_ROWS = 64
 ENV_SWITCH = "EAGLE3_JAX_CPU_KERNEL"  # "0" turns the kernel off (the XLA dot everywhere)
-FFI_TARGET = "eagle3_rows_matmul"
+FFI_TARGET = "eagle3_rows_matmul"  # w [out, in]
+FFI_TARGET_IN_OUT = "eagle3_rows_matmul_in_out"  # w [in, out]
 _LIBRARY_STEM = "_rows_matmul"
 
 _enabled_override: bool | None = None
@@ -62,6 +64,8 @@ def _load() -> tuple[bool, str]:
     if not lib.eagle3_rows_matmul_supported():
         return False, "this CPU lacks AVX2/FMA (or is not x86-64)"
     jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(lib.Eagle3RowsMatmul),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(FFI_TARGET_IN_OUT, jax.ffi.pycapsule(lib.Eagle3RowsMatmulInOut),
                                 platform="cpu")
     return True, str(path)
 
@@ -101,6 +105,10 @@ def _xla_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("...I,OI->...O", x, w)
 
 
+def _xla_dot_in_out(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum("...I,IO->...O", x, w)
+
+
 def _xla_single_row(x: jax.Array, w: jax.Array, blocks: int) -> jax.Array:
     """One row through XLA CPU as ``blocks`` row blocks of ``w`` in one batched dot: XLA runs
     a matrix-vector dot as small as SmolLM2's attention output projection (1.3 MB) on one
@@ -111,11 +119,14 @@ def _xla_single_row(x: jax.Array, w: jax.Array, blocks: int) -> jax.Array:
     return jnp.einsum("PMI,POI->MPO", xb, w.reshape(blocks, o // blocks, i)).reshape(x.shape[:-1] + (o,))
 
 
+def _ffi(target: str, x: jax.Array, out: int) -> callable:
+    out_type = jax.ShapeDtypeStruct(x.shape[:-1] + (out,), x.dtype)
+    return jax.ffi.ffi_call(target, out_type, vmap_method="sequential")
+
+
 @jax.custom_jvp
 def _kernel_dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    out_type = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[0],), x.dtype)
-    call = jax.ffi.ffi_call(FFI_TARGET, out_type, vmap_method="sequential")
-    return call(x, w)
+    return _ffi(FFI_TARGET, x, w.shape[0])(x, w)
 
 
 @_kernel_dot.defjvp
@@ -125,16 +136,32 @@ def _kernel_dot_jvp(primals, tangents):
     return _kernel_dot(x, w), _xla_dot(dx, w) + _xla_dot(x, dw)
 
 
-def rows_matmul(x: jax.Array, w: jax.Array, *, xla_single_row_blocks: int = 1) -> jax.Array:
-    """x [..., I] @ w[O, I].T -> [..., O] (w in the [out, in] layout of ``to_serving``).
+@jax.custom_jvp
+def _kernel_dot_in_out(x: jax.Array, w: jax.Array) -> jax.Array:
+    return _ffi(FFI_TARGET_IN_OUT, x, w.shape[1])(x, w)
 
-    ``xla_single_row_blocks`` > 1: where the XLA dot runs on CPU for a single row, split ``w``
-    into that many row blocks (see ``_xla_single_row``); the kernel ignores it.
+
+@_kernel_dot_in_out.defjvp
+def _kernel_dot_in_out_jvp(primals, tangents):
+    x, w = primals
+    dx, dw = tangents
+    return _kernel_dot_in_out(x, w), _xla_dot_in_out(dx, w) + _xla_dot_in_out(x, dw)
+
+
+def rows_matmul(x: jax.Array, w: jax.Array, *, in_out: bool = False,
+                xla_single_row_blocks: int = 1) -> jax.Array:
+    """x [..., I] @ w -> [..., O]: w is [O, I] (the ``[out, in]`` layout of ``to_serving``), or
+    [I, O] with ``in_out`` (the draft head's layout).
+
+    ``xla_single_row_blocks`` > 1: where the XLA dot runs on CPU for a single row of an
+    [out, in] weight, split ``w`` into that many row blocks (``_xla_single_row``).
     """
     rows = math.prod(x.shape[:-1])
+    kernel, xla = (_kernel_dot_in_out, _xla_dot_in_out) if in_out else (_kernel_dot, _xla_dot)
     if x.dtype == w.dtype and uses_kernel(rows, x.dtype):
-        return jax.lax.platform_dependent(x, w, cpu=_kernel_dot, default=_xla_dot)
+        return jax.lax.platform_dependent(x, w, cpu=kernel, default=xla)
     blocks = xla_single_row_blocks
-    if rows == 1 and blocks > 1 and w.shape[0] % blocks == 0 and jax.default_backend() == "cpu":
+    if (not in_out and rows == 1 and blocks > 1 and w.shape[0] % blocks == 0
+            and jax.default_backend() == "cpu"):
         return _xla_single_row(x, w, blocks)
-    return _xla_dot(x, w)
+    return xla(x, w)

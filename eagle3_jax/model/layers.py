@@ -13,6 +13,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.kernels import rows_matmul
 from eagle3_jax.model.config import RopeScaling
 
 
@@ -108,7 +109,8 @@ def attention(q: jax.Array, blocks: Sequence[tuple[jax.Array, jax.Array, jax.Arr
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU MLP: [B, T, D] -> [B, T, D]."""
-    gate = jnp.einsum("BTD,DF->BTF", x, w_gate)
-    up = jnp.einsum("BTD,DF->BTF", x, w_up)
-    return jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, w_down)
+    """SwiGLU MLP: [B, T, D] -> [B, T, D], weights [in, out] (``rows_matmul``: the CPU kernel
+    for few rows)."""
+    gate = rows_matmul(x, w_gate, in_out=True)
+    up = rows_matmul(x, w_up, in_out=True)
+    return rows_matmul(jax.nn.silu(gate) * up, w_down, in_out=True)

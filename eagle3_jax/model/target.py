@@ -301,4 +301,6 @@ def output_logits(params: Params, cfg: TargetConfig, hidden: jax.Array) -> jax.A
             return rows_matmul(hidden, params["embed"])  # [V, D] is [out, in]
         return jnp.einsum("BTD,VD->BTV", hidden, params["embed"],
                           preferred_element_type=jnp.float32)
+    if hidden.dtype == jnp.float32 == params["lm_head"].dtype:
+        return rows_matmul(hidden, params["lm_head"], in_out=True)  # [D, V] is [in, out]
     return jnp.einsum("BTD,DV->BTV", hidden, params["lm_head"], preferred_element_type=jnp.float32)

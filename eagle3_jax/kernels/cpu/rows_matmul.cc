@@ -1,6 +1,8 @@
 // A matmul for few rows against an [out, in] weight, for XLA on CPU, through the XLA FFI.
 //
 //   y[m, o] = sum_i x[m, i] * w[o, i]      x [M, I] f32, w [O, I] f32, y [M, O] f32
+//   y[m, o] = sum_i x[m, i] * w[i, o]      the same with w [I, O] (`Eagle3RowsMatmulInOut`:
+//                                          the draft head's weights, an untied output head)
 //
 // Why: XLA CPU runs a dot with few rows (M = 1..64: a decode step, a draft-tree verification)
 // as a general matmul that packs the whole weight into a scratch layout on every call, so a
@@ -23,6 +25,7 @@
 //    absent: eagle3_jax/kernels/matmul.py).
 
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -187,6 +190,118 @@ __attribute__((target("avx2,fma"))) void OutRange256(const float* x, int64_t row
   for (; o < end; ++o) AllRows256<1>(x, rows, w + o * in, in, y + o, out);
 }
 
+// ---- [in, out] weights: y[m, c] = sum_i x[m, i] * w[i, c] ------------------------------------
+// The row of w for input i is contiguous in c, so a panel of output columns is updated from a
+// broadcast x[m, i] times a vector of w's row: the sum for each y[m, c] runs over i in order,
+// the same for every row and block (bit-identical whatever the number of rows, as above).
+
+// AVX-512: NV <= 4 vectors of 16 columns x RM <= 6 rows; the panel's last vector is masked.
+template <int NV, int RM>
+__attribute__((target("avx512f"), always_inline)) inline void MicroInOut512(
+    const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t in, float* y, int64_t ldy,
+    __mmask16 last) {
+  __m512 acc[NV][RM];
+  for (int v = 0; v < NV; ++v)
+    for (int m = 0; m < RM; ++m) acc[v][m] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < in; ++i) {
+    const float* wi = w + i * ldw;
+    __m512 wv[NV];
+    for (int v = 0; v < NV - 1; ++v) wv[v] = _mm512_loadu_ps(wi + 16 * v);
+    wv[NV - 1] = _mm512_maskz_loadu_ps(last, wi + 16 * (NV - 1));
+    if (RM > 1)
+      for (int v = 0; v < NV; ++v)
+        _mm_prefetch(reinterpret_cast<const char*>(wi + 8 * ldw + 16 * v), _MM_HINT_T0);
+    for (int m = 0; m < RM; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * ldx + i]);
+      for (int v = 0; v < NV; ++v) acc[v][m] = _mm512_fmadd_ps(wv[v], xb, acc[v][m]);
+    }
+  }
+  for (int m = 0; m < RM; ++m) {
+    for (int v = 0; v < NV - 1; ++v) _mm512_storeu_ps(y + m * ldy + 16 * v, acc[v][m]);
+    _mm512_mask_storeu_ps(y + m * ldy + 16 * (NV - 1), last, acc[NV - 1][m]);
+  }
+}
+
+template <int NV>
+__attribute__((target("avx512f"))) void PanelInOut512(const float* x, int64_t rows, const float* w,
+                                                      int64_t in, float* y, int64_t out,
+                                                      __mmask16 last) {
+  const int64_t blocks = (rows + kRows512 - 1) / kRows512;
+  const int64_t base = rows / blocks, extra = rows % blocks;
+  int64_t m = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t n = base + (b < extra ? 1 : 0);
+    const float* xm = x + m * in;
+    float* ym = y + m * out;
+    switch (n) {
+      case 1: MicroInOut512<NV, 1>(xm, in, w, out, in, ym, out, last); break;
+      case 2: MicroInOut512<NV, 2>(xm, in, w, out, in, ym, out, last); break;
+      case 3: MicroInOut512<NV, 3>(xm, in, w, out, in, ym, out, last); break;
+      case 4: MicroInOut512<NV, 4>(xm, in, w, out, in, ym, out, last); break;
+      case 5: MicroInOut512<NV, 5>(xm, in, w, out, in, ym, out, last); break;
+      case 6: MicroInOut512<NV, 6>(xm, in, w, out, in, ym, out, last); break;
+      default: break;
+    }
+    m += n;
+  }
+}
+
+// Output columns [begin, end) in panels of 64 (the last one narrower, masked).
+__attribute__((target("avx512f"))) void InOutRange512(const float* x, int64_t rows, const float* w,
+                                                      int64_t in, float* y, int64_t out,
+                                                      int64_t begin, int64_t end) {
+  for (int64_t c = begin; c < end; c += 64) {
+    const int64_t width = end - c < 64 ? end - c : 64;
+    const int64_t nv = (width + 15) / 16;
+    const int64_t tail = width - 16 * (nv - 1);  // 1..16 columns in the last vector
+    const __mmask16 last = static_cast<__mmask16>((1u << tail) - 1);
+    switch (nv) {
+      case 1: PanelInOut512<1>(x, rows, w + c, in, y + c, out, last); break;
+      case 2: PanelInOut512<2>(x, rows, w + c, in, y + c, out, last); break;
+      case 3: PanelInOut512<3>(x, rows, w + c, in, y + c, out, last); break;
+      default: PanelInOut512<4>(x, rows, w + c, in, y + c, out, last); break;
+    }
+  }
+}
+
+// AVX2: 4 vectors of 8 columns x up to 3 rows; columns past the last full 8 are scalar.
+template <int RM>
+__attribute__((target("avx2,fma"), always_inline)) inline void MicroInOut256(
+    const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t in, float* y, int64_t ldy) {
+  __m256 acc[4][RM];
+  for (int v = 0; v < 4; ++v)
+    for (int m = 0; m < RM; ++m) acc[v][m] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < in; ++i) {
+    const float* wi = w + i * ldw;
+    __m256 wv[4];
+    for (int v = 0; v < 4; ++v) wv[v] = _mm256_loadu_ps(wi + 8 * v);
+    for (int m = 0; m < RM; ++m) {
+      const __m256 xb = _mm256_set1_ps(x[m * ldx + i]);
+      for (int v = 0; v < 4; ++v) acc[v][m] = _mm256_fmadd_ps(wv[v], xb, acc[v][m]);
+    }
+  }
+  for (int m = 0; m < RM; ++m)
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(y + m * ldy + 8 * v, acc[v][m]);
+}
+
+__attribute__((target("avx2,fma"))) void InOutRange256(const float* x, int64_t rows, const float* w,
+                                                       int64_t in, float* y, int64_t out,
+                                                       int64_t begin, int64_t end) {
+  int64_t c = begin;
+  for (; c + 32 <= end; c += 32) {
+    int64_t m = 0;
+    for (; m + 3 <= rows; m += 3) MicroInOut256<3>(x + m * in, in, w + c, out, in, y + m * out + c, out);
+    for (; m < rows; ++m) MicroInOut256<1>(x + m * in, in, w + c, out, in, y + m * out + c, out);
+  }
+  for (; c < end; ++c) {
+    for (int64_t m = 0; m < rows; ++m) {
+      float s = 0.0f;
+      for (int64_t i = 0; i < in; ++i) s = std::fma(x[m * in + i], w[i * out + c], s);
+      y[m * out + c] = s;
+    }
+  }
+}
+
 using OutRangeFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t,
                             int64_t, int64_t);
 
@@ -198,9 +313,19 @@ OutRangeFn SelectOutRange() {
 
 const OutRangeFn kOutRange = SelectOutRange();
 
+OutRangeFn SelectInOutRange() {
+  if (__builtin_cpu_supports("avx512f")) return InOutRange512;
+  return InOutRange256;
+}
+
+const OutRangeFn kInOutRange = SelectInOutRange();
+
 #endif  // EAGLE3_X86
 
 struct Job {
+#if EAGLE3_X86
+  OutRangeFn range;  // kOutRange ([out, in] weights) or kInOutRange ([in, out])
+#endif
   const float* x;
   const float* w;
   float* y;
@@ -213,29 +338,31 @@ struct Job {
     for (int64_t c = next.fetch_add(1); c < num_chunks; c = next.fetch_add(1)) {
       const int64_t begin = c * chunk;
       const int64_t end = begin + chunk < out ? begin + chunk : out;
-      kOutRange(x, rows, w, in, y, out, begin, end);
+      range(x, rows, w, in, y, out, begin, end);
       done.fetch_add(1, std::memory_order_release);
     }
 #endif
   }
 };
 
-// Chunks of `out`: about 4 per thread (load balance), at least 32 rows of w, a multiple of 4
-// (the micro-kernels' weight rows).
-int64_t ChunkSize(int64_t out, int64_t threads) {
+// Chunks of `out`: about 4 per thread (load balance), at least `unit` outputs and a multiple of
+// it (4 weight rows of [out, in]; a 64-column panel of [in, out]).
+int64_t ChunkSize(int64_t out, int64_t threads, int64_t unit) {
   int64_t chunk = (out + 4 * threads - 1) / (4 * threads);
-  if (chunk < 32) chunk = 32;
-  return (chunk + 3) / 4 * 4;
+  if (chunk < 8 * unit) chunk = 8 * unit;
+  return (chunk + unit - 1) / unit * unit;
 }
 
-ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                          ffi::ResultBuffer<ffi::F32> y) {
+// y [rows, out] = x [rows, in] times w: [out, in] when `w_in_out` is false, else [in, out].
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w,
+               ffi::ResultBuffer<ffi::F32>& y, bool w_in_out) {
 #if EAGLE3_X86
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
   if (w_dims.size() != 2 || x_dims.size() < 1)
-    return ffi::Error::InvalidArgument("rows_matmul: w must be [out, in] and x [..., in]");
-  const int64_t out = w_dims[0], in = w_dims[1];
+    return ffi::Error::InvalidArgument("rows_matmul: w must be 2-D and x [..., in]");
+  const int64_t out = w_in_out ? w_dims[1] : w_dims[0];
+  const int64_t in = w_in_out ? w_dims[0] : w_dims[1];
   if (x_dims[x_dims.size() - 1] != in)
     return ffi::Error::InvalidArgument("rows_matmul: x's last axis must equal w's `in`");
   const int64_t rows = x.element_count() / (in > 0 ? in : 1);
@@ -251,13 +378,14 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
     if (n >= 1 && n < threads) threads = n;
   }
   auto job = std::make_shared<Job>();
+  job->range = w_in_out ? kInOutRange : kOutRange;
   job->x = x.typed_data();
   job->w = w.typed_data();
   job->y = y->typed_data();
   job->rows = rows;
   job->in = in;
   job->out = out;
-  job->chunk = ChunkSize(out, threads);
+  job->chunk = ChunkSize(out, threads, w_in_out ? 64 : 4);
   job->num_chunks = (out + job->chunk - 1) / job->chunk;
   const int64_t helpers = job->num_chunks - 1 < threads - 1 ? job->num_chunks - 1 : threads - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { job->Work(); });
@@ -269,9 +397,26 @@ ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
 #endif
 }
 
+ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  return Run(pool, x, w, y, /*w_in_out=*/false);
+}
+
+ffi::Error RowsMatmulInOutImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                               ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+  return Run(pool, x, w, y, /*w_in_out=*/true);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Eagle3RowsMatmul, RowsMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Eagle3RowsMatmulInOut, RowsMatmulInOutImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
