@@ -301,3 +301,21 @@ def test_bench_decode_loop_is_greedy_decoding(params):
     last, cache = decode_loop(serving, out.cache, first, CFG, N - 1)
     assert int(last[0, 0]) == want[N - 1]
     assert int(cache.end[0]) == p
+
+
+def test_greedy_argmax_is_the_first_index_of_the_maximum():
+    """The two-reduction argmax used for greedy decoding against numpy's, with ties (the lowest
+    index wins), -inf entries and several leading axes."""
+    from eagle3_jax.decoding.sampling import greedy_argmax
+
+    rng = np.random.default_rng(5)
+    logits = rng.integers(-3, 4, size=(3, 5, 200)).astype(np.float32)  # many ties
+    logits[0, 0, :] = -np.inf
+    logits[0, 0, 7] = 2.0
+    logits[1, 2, :] = -np.inf  # all -inf: index 0, as argmax
+    got = np.asarray(jax.jit(greedy_argmax)(jnp.asarray(logits)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+    wide = rng.standard_normal((4, 49152)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(greedy_argmax(jnp.asarray(wide))),
+                                  np.argmax(wide, axis=-1))

@@ -20,6 +20,7 @@ from typing import Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from eagle3_jax.decoding.sampling import greedy_argmax
 from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache
 from eagle3_jax.model.target import KVCache, causal_mask, forward
 
@@ -68,7 +69,7 @@ def decode_loop(params, cache, token, cfg, steps):
     def step(_, carry):
         token, cache = carry
         logits, cache = forward_step(params, cache, token, cfg)
-        token = jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32)
+        token = greedy_argmax(logits[:, -1:])
         return token, cache.replace(end=cache.end + 1)
 
     token, cache = jax.lax.fori_loop(0, steps, step, (token, cache))

@@ -71,6 +71,18 @@ def sampling_from_flags(temperature: float, top_p: float, top_k: int) -> Samplin
                                    lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from None
 
 
+def greedy_argmax(logits: jax.Array) -> jax.Array:
+    """The index of the largest logit over the last axis, the lowest on ties: ``jnp.argmax`` for
+    finite logits, as two plain reductions (max, then the least index holding it). XLA CPU runs
+    ``argmax``'s (value, index) reduction unvectorised: 452 -> 122 us for [4, 49152], about 1 ms
+    of every EAGLE round on SmolLM2. A row with a NaN gives its last index. Returns int32."""
+    vocab = logits.shape[-1]
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    first = jnp.min(jnp.where(logits == top, index, vocab), axis=-1)
+    return jnp.minimum(first, vocab - 1)
+
+
 def adjust_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """Apply temperature, top-k and top-p (in that order) to float32 ``logits`` [..., V].
 
@@ -80,7 +92,7 @@ def adjust_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
     if params.greedy:
-        best = jnp.argmax(logits, axis=-1)
+        best = greedy_argmax(logits)
         keep = jnp.arange(vocab) == best[..., None]
         return jnp.where(keep, logits, -jnp.inf)
     logits = logits / params.temperature
@@ -110,5 +122,5 @@ def probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
 def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> jax.Array:
     """Draw one token per row from ``logits`` [B, V] -> [B] int32 (argmax when greedy)."""
     if params.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return greedy_argmax(logits)
     return jax.random.categorical(key, adjust_logits(logits, params), axis=-1).astype(jnp.int32)
