@@ -124,28 +124,25 @@ def _ffi(target: str, x: jax.Array, out: int) -> callable:
     return jax.ffi.ffi_call(target, out_type, vmap_method="sequential")
 
 
-@jax.custom_jvp
-def _kernel_dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    return _ffi(FFI_TARGET, x, w.shape[0])(x, w)
+def _kernel(target: str, out_axis: int, xla_dot):
+    """The custom call ``target`` as a differentiable function of (x, w): its JVP (and so its
+    gradient) is ``xla_dot``'s; ``w.shape[out_axis]`` is the output width."""
+
+    @jax.custom_jvp
+    def dot(x: jax.Array, w: jax.Array) -> jax.Array:
+        return _ffi(target, x, w.shape[out_axis])(x, w)
+
+    @dot.defjvp
+    def _jvp(primals, tangents):
+        x, w = primals
+        dx, dw = tangents
+        return dot(x, w), xla_dot(dx, w) + xla_dot(x, dw)
+
+    return dot
 
 
-@_kernel_dot.defjvp
-def _kernel_dot_jvp(primals, tangents):
-    x, w = primals
-    dx, dw = tangents
-    return _kernel_dot(x, w), _xla_dot(dx, w) + _xla_dot(x, dw)
-
-
-@jax.custom_jvp
-def _kernel_dot_in_out(x: jax.Array, w: jax.Array) -> jax.Array:
-    return _ffi(FFI_TARGET_IN_OUT, x, w.shape[1])(x, w)
-
-
-@_kernel_dot_in_out.defjvp
-def _kernel_dot_in_out_jvp(primals, tangents):
-    x, w = primals
-    dx, dw = tangents
-    return _kernel_dot_in_out(x, w), _xla_dot_in_out(dx, w) + _xla_dot_in_out(x, dw)
+_kernel_dot = _kernel(FFI_TARGET, 0, _xla_dot)  # w [out, in]
+_kernel_dot_in_out = _kernel(FFI_TARGET_IN_OUT, 1, _xla_dot_in_out)  # w [in, out]
 
 
 def rows_matmul(x: jax.Array, w: jax.Array, *, in_out: bool = False,
