@@ -112,7 +112,7 @@ def curves_by_kernel(params, cfg, context: int, sizes, repeats: int, rounds: int
     Only {"xla": ...} where the kernel is unavailable."""
     from eagle3_jax.kernels import matmul as rm
 
-    modes = ("xla", "kernel") if rm._load()[0] else ("xla",)
+    modes = ("xla", "kernel") if rm.kernel_available() else ("xla",)
     samples: dict[str, list[dict]] = {mode: [] for mode in modes}
     previous = rm.set_kernel_enabled(None)
     try:

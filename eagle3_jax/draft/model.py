@@ -72,9 +72,7 @@ def finish_layer(params: Params, cfg: DraftConfig, g: jax.Array, attn: jax.Array
 def draft_logits(params: Params, cfg: DraftConfig, h: jax.Array) -> jax.Array:
     """h [B, T, D] -> float32 logits over the draft vocabulary [B, T, Vd]."""
     x = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    if x.dtype == jnp.float32 == params["lm_head"].dtype:
-        return rows_matmul(x, params["lm_head"], in_out=True)
-    return jnp.einsum("BTD,DV->BTV", x, params["lm_head"], preferred_element_type=jnp.float32)
+    return rows_matmul(x, params["lm_head"], in_out=True, preferred_element_type=jnp.float32)
 
 
 def empty_draft_cache(cfg: DraftConfig, batch: int, slots: int) -> tuple[jax.Array, jax.Array]:

@@ -97,18 +97,23 @@ def kernel_status() -> str:
     return f"CPU kernel in use for float32 matmuls of <= {KERNEL_MAX_ROWS} rows ({detail})"
 
 
+def kernel_available() -> bool:
+    """Whether the kernel is built, loaded and runnable on this CPU (switch aside)."""
+    return _load()[0]
+
+
 def uses_kernel(rows: int, dtype) -> bool:
     """Whether a matmul of ``rows`` rows of ``dtype`` traced now on CPU would use the kernel."""
     return (0 < rows <= KERNEL_MAX_ROWS and jnp.dtype(dtype) == jnp.float32 and _enabled()
-            and jax.default_backend() == "cpu" and _load()[0])
+            and jax.default_backend() == "cpu" and kernel_available())
 
 
-def _xla_dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum("...I,OI->...O", x, w)
+def _xla_dot(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
+    return jnp.einsum("...I,OI->...O", x, w, preferred_element_type=preferred_element_type)
 
 
-def _xla_dot_in_out(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum("...I,IO->...O", x, w)
+def _xla_dot_in_out(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
+    return jnp.einsum("...I,IO->...O", x, w, preferred_element_type=preferred_element_type)
 
 
 def _xla_single_row(x: jax.Array, w: jax.Array, blocks: int) -> jax.Array:
@@ -148,19 +153,22 @@ _kernel_dot_in_out = _kernel(FFI_TARGET_IN_OUT, 1, _xla_dot_in_out)  # w [in, ou
 
 
 def rows_matmul(x: jax.Array, w: jax.Array, *, in_out: bool = False,
-                xla_single_row_blocks: int = 1) -> jax.Array:
+                preferred_element_type=None, xla_single_row_blocks: int = 1) -> jax.Array:
     """x [..., I] @ w -> [..., O]: w is [O, I] (the ``[out, in]`` layout of ``to_serving``), or
     [I, O] with ``in_out`` (the draft head's layout).
 
+    ``preferred_element_type``: the XLA dot's accumulation/result type (e.g. float32 logits
+    from bfloat16 weights); the kernel, float32 only, already gives it.
     ``xla_single_row_blocks`` > 1: where the XLA dot runs on CPU for a single row of an
     [out, in] weight, split ``w`` into that many row blocks (``_xla_single_row``).
     """
     rows = math.prod(x.shape[:-1])
     kernel, xla = (_kernel_dot_in_out, _xla_dot_in_out) if in_out else (_kernel_dot, _xla_dot)
-    if x.dtype == w.dtype and uses_kernel(rows, x.dtype):
+    out_type = jnp.dtype(preferred_element_type or x.dtype)
+    if x.dtype == w.dtype == out_type and uses_kernel(rows, x.dtype):
         return jax.lax.platform_dependent(x, w, cpu=kernel, default=xla)
     blocks = xla_single_row_blocks
     if (not in_out and rows == 1 and blocks > 1 and w.shape[0] % blocks == 0
-            and jax.default_backend() == "cpu"):
+            and preferred_element_type is None and jax.default_backend() == "cpu"):
         return _xla_single_row(x, w, blocks)
-    return xla(x, w)
+    return xla(x, w, preferred_element_type=preferred_element_type)

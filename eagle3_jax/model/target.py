@@ -296,11 +296,7 @@ def _write_cache(cache: KVCache, new_k, new_v, after: jax.Array) -> KVCache:
 
 def output_logits(params: Params, cfg: TargetConfig, hidden: jax.Array) -> jax.Array:
     """Final-normed hidden [B, T, D] -> float32 logits [B, T, V] (tied or untied head)."""
-    if cfg.tie_word_embeddings:
-        if hidden.dtype == jnp.float32 == params["embed"].dtype:
-            return rows_matmul(hidden, params["embed"])  # [V, D] is [out, in]
-        return jnp.einsum("BTD,VD->BTV", hidden, params["embed"],
-                          preferred_element_type=jnp.float32)
-    if hidden.dtype == jnp.float32 == params["lm_head"].dtype:
-        return rows_matmul(hidden, params["lm_head"], in_out=True)  # [D, V] is [in, out]
-    return jnp.einsum("BTD,DV->BTV", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    if cfg.tie_word_embeddings:  # embed [V, D] is [out, in]
+        return rows_matmul(hidden, params["embed"], preferred_element_type=jnp.float32)
+    return rows_matmul(hidden, params["lm_head"], in_out=True,  # lm_head [D, V] is [in, out]
+                       preferred_element_type=jnp.float32)

@@ -108,19 +108,27 @@ __attribute__((target("avx512f"))) inline void Rows512(const float* x, int64_t n
   }
 }
 
-// All rows against RO weight rows, in blocks of at most kRows512 rows made as even as possible
-// (8 rows: 4 + 4, not 6 + 2: a 2-row block runs the FMA units at a third of their rate).
+// Calls block(first_row, n) over `rows` in blocks of at most `max_rows`, made as even as
+// possible (8 rows: 4 + 4, not 6 + 2: a 2-row block runs the FMA units at a third of their rate).
+template <typename Block>
+__attribute__((always_inline)) inline void EvenBlocks(int64_t rows, int64_t max_rows,
+                                                      Block&& block) {
+  const int64_t blocks = (rows + max_rows - 1) / max_rows;
+  const int64_t base = rows / blocks, extra = rows % blocks;  // `extra` blocks get base + 1
+  for (int64_t b = 0, m = 0; b < blocks; ++b) {
+    const int64_t n = base + (b < extra ? 1 : 0);
+    block(m, n);
+    m += n;
+  }
+}
+
+// All rows against RO weight rows.
 template <int RO>
 __attribute__((target("avx512f"))) void AllRows512(const float* x, int64_t rows, const float* w,
                                                    int64_t in, float* y, int64_t out) {
-  const int64_t blocks = (rows + kRows512 - 1) / kRows512;
-  const int64_t base = rows / blocks, extra = rows % blocks;  // `extra` blocks get base + 1
-  int64_t m = 0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t n = base + (b < extra ? 1 : 0);
+  EvenBlocks(rows, kRows512, [&](int64_t m, int64_t n) {
     Rows512<RO>(x + m * in, n, w, in, y + m * out, out);
-    m += n;
-  }
+  });
 }
 
 __attribute__((target("avx512f"))) void OutRange512(const float* x, int64_t rows, const float* w,
@@ -223,27 +231,27 @@ __attribute__((target("avx512f"), always_inline)) inline void MicroInOut512(
 }
 
 template <int NV>
+__attribute__((target("avx512f"))) inline void RowsInOut512(const float* x, int64_t n,
+                                                            const float* w, int64_t in, float* y,
+                                                            int64_t out, __mmask16 last) {
+  switch (n) {
+    case 1: MicroInOut512<NV, 1>(x, in, w, out, in, y, out, last); break;
+    case 2: MicroInOut512<NV, 2>(x, in, w, out, in, y, out, last); break;
+    case 3: MicroInOut512<NV, 3>(x, in, w, out, in, y, out, last); break;
+    case 4: MicroInOut512<NV, 4>(x, in, w, out, in, y, out, last); break;
+    case 5: MicroInOut512<NV, 5>(x, in, w, out, in, y, out, last); break;
+    case 6: MicroInOut512<NV, 6>(x, in, w, out, in, y, out, last); break;
+    default: break;
+  }
+}
+
+template <int NV>
 __attribute__((target("avx512f"))) void PanelInOut512(const float* x, int64_t rows, const float* w,
                                                       int64_t in, float* y, int64_t out,
                                                       __mmask16 last) {
-  const int64_t blocks = (rows + kRows512 - 1) / kRows512;
-  const int64_t base = rows / blocks, extra = rows % blocks;
-  int64_t m = 0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t n = base + (b < extra ? 1 : 0);
-    const float* xm = x + m * in;
-    float* ym = y + m * out;
-    switch (n) {
-      case 1: MicroInOut512<NV, 1>(xm, in, w, out, in, ym, out, last); break;
-      case 2: MicroInOut512<NV, 2>(xm, in, w, out, in, ym, out, last); break;
-      case 3: MicroInOut512<NV, 3>(xm, in, w, out, in, ym, out, last); break;
-      case 4: MicroInOut512<NV, 4>(xm, in, w, out, in, ym, out, last); break;
-      case 5: MicroInOut512<NV, 5>(xm, in, w, out, in, ym, out, last); break;
-      case 6: MicroInOut512<NV, 6>(xm, in, w, out, in, ym, out, last); break;
-      default: break;
-    }
-    m += n;
-  }
+  EvenBlocks(rows, kRows512, [&](int64_t m, int64_t n) {
+    RowsInOut512<NV>(x + m * in, n, w, in, y + m * out, out, last);
+  });
 }
 
 // Output columns [begin, end) in panels of 64 (the last one narrower, masked).
