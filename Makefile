@@ -19,7 +19,7 @@ export EAGLE3_JAX_HOME ?= $(HOME)/.cache/eagle3_jax
 
 .PHONY: setup model demo test test-fast bench head lock clean
 
-$(STAMP): pyproject.toml constraints.txt setup.py eagle3_jax/kernels/cpu/rows_matmul.cc
+$(STAMP): pyproject.toml constraints.txt setup.py $(wildcard eagle3_jax/kernels/cpu/*.cc eagle3_jax/kernels/cpu/*.h)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'

@@ -32,7 +32,7 @@ def test_compute_floor_counts_the_flops_xla_counts():
 
     from eagle3_jax.bench.forward import compute_floor_seconds
     from eagle3_jax.decoding.costs import forward_step
-    from eagle3_jax.kernels import matmul as rm
+    from eagle3_jax import kernels as rm
     from eagle3_jax.model import KVCache, init_params, to_serving
     from eagle3_jax.model.config import TargetConfig
 

@@ -75,7 +75,7 @@ def test_wheel_ships_configs_prompts_and_scripts(wheel):
             if path.is_file():
                 assert f"eagle3_jax/kernels/cpu/{path.relative_to(kernel)}" in names, path
         if KERNEL_EXPECTED:  # built by the wheel's build, with this machine's compiler
-            assert any(n.startswith("eagle3_jax/kernels/_rows_matmul") and n.endswith(".so")
+            assert any(n.startswith("eagle3_jax/kernels/_cpu_kernels") and n.endswith(".so")
                        for n in names), sorted(n for n in names if "kernels" in n)
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         parser = configparser.ConfigParser()

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eagle3_jax.kernels import library
 from eagle3_jax.kernels import matmul as rm
 from eagle3_jax.presets import list_presets, load_preset
 
@@ -57,9 +58,9 @@ def _random(shape, seed):
 
 @pytest.fixture(autouse=True)
 def _default_switch():
-    previous = rm.set_kernel_enabled(None)
+    previous = library.set_kernel_enabled(None)
     yield
-    rm.set_kernel_enabled(previous)
+    library.set_kernel_enabled(previous)
 
 
 def _lowered_text(fn, *args) -> str:
@@ -68,7 +69,7 @@ def _lowered_text(fn, *args) -> str:
 
 @pytest.mark.skipif(not KERNEL_EXPECTED, reason="the kernel needs x86-64 and a C++ compiler")
 def test_the_kernel_is_built_and_used_here():
-    assert "in use" in rm.kernel_status(), rm.kernel_status()
+    assert "in use" in library.kernel_status(), library.kernel_status()
     x, w = _random((8, 64), 0), _random((32, 64), 1)
     assert rm.FFI_TARGET in _lowered_text(rm.rows_matmul, x, w)
     assert rm.FFI_TARGET not in _lowered_text(rm.rows_matmul, _random((65, 64), 2), w)
@@ -153,19 +154,22 @@ def test_fallback_when_switched_off_absent_or_not_float32(monkeypatch):
     bfloat16, for more rows than the kernel takes, and when lowered for a TPU."""
     x, w = _random((4, 24), 5), _random((16, 24), 6)
     ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
-    rm.set_kernel_enabled(False)
+    library.set_kernel_enabled(False)
+    jax.clear_caches()  # traces are cached per function: re-trace under each switch
     assert rm.FFI_TARGET not in _lowered_text(rm.rows_matmul, x, w)
-    assert "off" in rm.kernel_status()
+    assert "off" in library.kernel_status()
     np.testing.assert_allclose(np.asarray(jax.jit(rm.rows_matmul)(x, w)), ref, rtol=1e-5,
                                atol=1e-5)
-    rm.set_kernel_enabled(None)
-    monkeypatch.setattr(rm, "_load", lambda: (False, "not built (test)"))
+    library.set_kernel_enabled(None)
+    monkeypatch.setattr(library, "_load", lambda: (False, "not built (test)"))
+    jax.clear_caches()
     assert rm.FFI_TARGET not in _lowered_text(rm.rows_matmul, x, w)
-    assert "unavailable: not built (test)" in rm.kernel_status()
+    assert "unavailable: not built (test)" in library.kernel_status()
     monkeypatch.undo()
+    jax.clear_caches()
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     assert rm.FFI_TARGET not in _lowered_text(rm.rows_matmul, xb, wb)
-    if rm._load()[0]:
+    if library.kernel_available():
         tpu = jax.jit(rm.rows_matmul).trace(x, w).lower(lowering_platforms=("tpu",)).as_text()
         assert rm.FFI_TARGET not in tpu
 
@@ -173,7 +177,7 @@ def test_fallback_when_switched_off_absent_or_not_float32(monkeypatch):
 def test_single_row_blocks_fallback_equals_the_dot():
     """The XLA fallback's row-block form of a one-row product (used for the attention output
     projection when the kernel is not) computes the same product."""
-    rm.set_kernel_enabled(False)
+    library.set_kernel_enabled(False)
     x, w = _random((1, 1, 24), 7), _random((40, 24), 8)
     y = jax.jit(lambda x, w: rm.rows_matmul(x, w, xla_single_row_blocks=8))(x, w)
     np.testing.assert_allclose(np.asarray(y), np.einsum("bti,oi->bto", np.asarray(x, np.float64),

@@ -110,7 +110,7 @@ def curves_by_kernel(params, cfg, context: int, sizes, repeats: int, rounds: int
     """{"kernel": curve, "xla": curve} (seconds per T, and "loop"): the same forwards with the CPU
     kernel on and off, ``rounds`` alternating rounds (recompiled each), per-T median of rounds.
     Only {"xla": ...} where the kernel is unavailable."""
-    from eagle3_jax.kernels import matmul as rm
+    from eagle3_jax import kernels as rm
 
     modes = ("xla", "kernel") if rm.kernel_available() else ("xla",)
     samples: dict[str, list[dict]] = {mode: [] for mode in modes}

@@ -44,6 +44,7 @@ from eagle3_jax.decoding.acceptance import Rate, candidate_scores, rates_for_dep
 from eagle3_jax.decoding.costs import forward_curve, measure_draft_steps
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.errors import Eagle3Error
+from eagle3_jax.kernels import library
 
 TARGET_SIZES = (1, 2, 4, 8, 16, 32, 64)
 DRAFT_WIDTHS = (1, 2, 4, 8, 16)
@@ -167,7 +168,7 @@ def _digest(obj) -> str:
 # The code whose speed the cost model measures (paths under the package).
 COST_SOURCES = ("model/target.py", "model/layers.py", "model/params.py", "draft/model.py",
                 "decoding/tree.py", "decoding/costs.py", "kernels/matmul.py",
-                "kernels/cpu/rows_matmul.cc")
+                "kernels/attention.py", *library.SOURCES)
 
 
 @functools.lru_cache(maxsize=1)

@@ -3,7 +3,7 @@
 
 On CPU, for float32 and at most ``KERNEL_MAX_ROWS`` rows (a decode step, a draft step, a tree
 verification), this runs the package's C++ kernel (``kernels/cpu/rows_matmul.cc``, an XLA FFI
-custom call built by the install): each weight row is read from memory once and used for every
+custom call built by the install; ``library.py``): each weight row is read from memory once and used for every
 row of x while it is in L1, on all of XLA's intra-op threads. XLA CPU instead runs such a dot
 as a general matmul that repacks the whole weight on every call (``bench forward`` shows both).
 Everywhere else, and wherever the kernel is missing (no compiler at install, a CPU without
@@ -19,93 +19,25 @@ JVP (and so the gradient) is the XLA dot's.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import importlib.machinery
 import math
-import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+from eagle3_jax.kernels.library import kernels_in_use
 
 # Up to this many rows the kernel wins: a SmolLM2 forward of 64 tokens takes 75.6 ms with it and
 # 79.5 with the XLA dot (``python -m eagle3_jax.bench forward``, both timed). Beyond, the matmul
 # is compute-bound and XLA's packed GEMM uses the peak better (the kernel's dot-product form
 # reaches about 55% of it).
 KERNEL_MAX_ROWS = 64
-ENV_SWITCH = "EAGLE3_JAX_CPU_KERNEL"  # "0" turns the kernel off (the XLA dot everywhere)
 FFI_TARGET = "eagle3_rows_matmul"  # w [out, in]
 FFI_TARGET_IN_OUT = "eagle3_rows_matmul_in_out"  # w [in, out]
-_LIBRARY_STEM = "_rows_matmul"
-
-_enabled_override: bool | None = None
-
-
-def _library_path() -> Path | None:
-    """The built kernel library next to this file (any extension suffix), or None."""
-    here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"{_LIBRARY_STEM}{suffix}"
-        if path.is_file():
-            return path
-    return None
-
-
-@functools.cache
-def _load() -> tuple[bool, str]:
-    """Load and register the kernel once: (available, why not / where from)."""
-    path = _library_path()
-    if path is None:
-        return False, ("not built (no C++ compiler at install time?); "
-                       "reinstall with `pip install -e .` to build it")
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        return False, f"cannot load {path.name}: {e}"
-    if not lib.eagle3_rows_matmul_supported():
-        return False, "this CPU lacks AVX2/FMA (or is not x86-64)"
-    jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(lib.Eagle3RowsMatmul),
-                                platform="cpu")
-    jax.ffi.register_ffi_target(FFI_TARGET_IN_OUT, jax.ffi.pycapsule(lib.Eagle3RowsMatmulInOut),
-                                platform="cpu")
-    return True, str(path)
-
-
-def set_kernel_enabled(enabled: bool | None) -> bool | None:
-    """Force the kernel on/off for matmuls traced from now on (None: back to the default, on
-    unless ``EAGLE3_JAX_CPU_KERNEL=0``). Returns the previous setting. Already-compiled
-    functions keep what they were traced with (``jax.clear_caches()`` drops them)."""
-    global _enabled_override
-    previous, _enabled_override = _enabled_override, enabled
-    return previous
-
-
-def _enabled() -> bool:
-    if _enabled_override is not None:
-        return _enabled_override
-    return os.environ.get(ENV_SWITCH, "1") != "0"
-
-
-def kernel_status() -> str:
-    """One line: whether matmuls of few rows use the CPU kernel here, and if not why."""
-    available, detail = _load()
-    if not available:
-        return f"CPU kernel unavailable: {detail}; few-row matmuls use the XLA dot"
-    if not _enabled():
-        return f"CPU kernel off ({ENV_SWITCH}=0): few-row matmuls use the XLA dot"
-    return f"CPU kernel in use for float32 matmuls of <= {KERNEL_MAX_ROWS} rows ({detail})"
-
-
-def kernel_available() -> bool:
-    """Whether the kernel is built, loaded and runnable on this CPU (switch aside)."""
-    return _load()[0]
 
 
 def uses_kernel(rows: int, dtype) -> bool:
     """Whether a matmul of ``rows`` rows of ``dtype`` traced now on CPU would use the kernel."""
-    return (0 < rows <= KERNEL_MAX_ROWS and jnp.dtype(dtype) == jnp.float32 and _enabled()
-            and jax.default_backend() == "cpu" and kernel_available())
+    return 0 < rows <= KERNEL_MAX_ROWS and kernels_in_use(dtype, "matmul")
 
 
 def _xla_dot(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:

@@ -13,7 +13,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from eagle3_jax.kernels import rows_matmul
+from eagle3_jax.kernels import cached_attention, rows_matmul, uses_attention_kernel
 from eagle3_jax.model.config import RopeScaling
 
 
@@ -43,15 +43,24 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> j
                      jnp.where(wavelen < high_wavelen, inv, mid))
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate ``x`` [B, T, heads, H] by ``positions`` [B, T] (HF rotate-half convention)."""
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """RoPE angles of ``positions`` [B, T] as (cos, sin), each [B, T, H/2] float32."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate ``x`` [B, T, heads, H] by (cos, sin) [B, T, H/2] (HF rotate-half convention)."""
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate ``x`` [B, T, heads, H] by ``positions`` [B, T] (HF rotate-half convention)."""
+    return rotate(x, *rope_cos_sin(positions, inv_freq))
 
 
 def empty_kv(batch: int, kv_heads: int, head_dim: int, slots: int,
@@ -106,6 +115,41 @@ def attention(q: jax.Array, blocks: Sequence[tuple[jax.Array, jax.Array, jax.Arr
         out = out + jnp.einsum("BKQS,BKSH->BKQH", p, v)
         start += size
     return out.reshape(b, kv_heads, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def attention_with_cache(q: jax.Array, k: jax.Array, v: jax.Array,
+                         rope: tuple[jax.Array, jax.Array],
+                         past: tuple[jax.Array, jax.Array, jax.Array] | None,
+                         new_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """RoPE, then attention of T new tokens over the KV cache and themselves: the target's
+    attention.
+
+    Args:
+      q: [B, T, N, H] queries, as projected (not yet rotated).
+      k, v: [B, T, K, H] the new tokens' keys (not yet rotated) and values.
+      rope: (cos, sin) [B, T, H/2] of the new tokens' positions (:func:`rope_cos_sin`).
+      past: None (no cache to read) or the cache's (keys [B, K, H, S], values [B, K, S, H],
+        mask [B, T, S] bool).
+      new_mask: [B, T, T] bool, True where new token t may attend new token j.
+    Returns:
+      (output [B, T, N, H], rotated keys [B, T, K, H]). On CPU with a cache and few new tokens
+      this is one custom call per layer (``eagle3_jax.kernels.cached_attention``); otherwise
+      :func:`rotate` and :func:`attention`.
+    """
+    if past is not None and uses_attention_kernel(q.shape, k.shape[2], q.dtype):
+        return cached_attention(q, k, v, *rope, *past, new_mask, xla=_cached_attention_xla)
+    return _attention_xla(q, k, v, rope, past, new_mask)
+
+
+def _attention_xla(q, k, v, rope, past, new_mask):
+    q, k = rotate(q, *rope), rotate(k, *rope)
+    new = (k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), new_mask)
+    return attention(q, [new] if past is None else [past, new]), k
+
+
+def _cached_attention_xla(q, k, v, cos, sin, k_past, v_past, m_past, m_new):
+    """:func:`attention_with_cache` with a cache, in XLA ops, on the kernel's nine operands."""
+    return _attention_xla(q, k, v, (cos, sin), (k_past, v_past, m_past), m_new)
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:

@@ -29,8 +29,8 @@ from flax import struct
 
 from eagle3_jax.kernels import rows_matmul
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.layers import (apply_rope, attention, empty_kv, rms_norm, rope_inv_freq,
-                                     write_kv)
+from eagle3_jax.model.layers import (attention_with_cache, empty_kv, rms_norm, rope_cos_sin,
+                                     rope_inv_freq, write_kv)
 from eagle3_jax.model.params import Params, is_serving, to_serving_layer
 
 
@@ -99,14 +99,15 @@ def split_cache_mask(mask: jax.Array, cache_end: jax.Array, num_new: int):
 CPU_MATVEC_ROW_BLOCKS = 8
 
 
-def _layer(p: Params, cfg: TargetConfig, h: jax.Array, positions: jax.Array,
-           inv_freq: jax.Array, new_mask: jax.Array, past) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One decoder layer in the serving layout: h [B, T, D] -> (h, k [B, K, H, T], v [B, K, T, H]).
+def _layer(p: Params, cfg: TargetConfig, h: jax.Array, rope: tuple[jax.Array, jax.Array],
+           new_mask: jax.Array, past) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One decoder layer in the serving layout: h [B, T, D] -> (h, k [B, T, K, H], v [B, T, K, H]).
 
     ``p`` holds one layer's weights as ``eagle3_jax.model.params.serving_layer_specs`` lays them
     out: q/k/v and gate/up fused, every matrix [out, in], applied as 2-D matmuls over the last
-    (contiguous) axis. ``past`` is None or ``(k, v, mask)``: this layer's cache (k [B, K, H, S],
-    v [B, K, S, H]) and the mask over it.
+    (contiguous) axis. ``rope``: (cos, sin) [B, T, H/2] of the tokens' positions. ``past`` is
+    None or ``(k, v, mask)``: this layer's cache (k [B, K, H, S], v [B, K, S, H]) and the mask
+    over it. The returned k is rotated.
     """
     b, t, d = h.shape
     n, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -119,11 +120,8 @@ def _layer(p: Params, cfg: TargetConfig, h: jax.Array, positions: jax.Array,
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq).transpose(0, 2, 3, 1)  # [B, K, H, T]
-    v = v.transpose(0, 2, 1, 3)  # [B, K, T, H]
-    blocks = [(k, v, new_mask)] if past is None else [past, (k, v, new_mask)]
-    attn = attention(q, blocks).reshape(b, t, n * hd)
+    attn, k = attention_with_cache(q, k, v, rope, past, new_mask)
+    attn = attn.reshape(b, t, n * hd)
     h = h + rows_matmul(attn, p["wo"].reshape(d, n * hd), xla_single_row_blocks=CPU_MATVEC_ROW_BLOCKS)
     x = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
     gate_up = rows_matmul(x, p["w_gate_up"].reshape(-1, d)).reshape(b, t, 2, -1)
@@ -170,7 +168,7 @@ def forward(
     if not is_serving(params):
         raise TypeError("forward() takes serving-layout params (eagle3_jax.model.to_serving); "
                         "use forward_stacked() for the stacked training layout")
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    rope = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     t = tokens.shape[1]
     h = _embed(params, cfg, tokens)
     tap_layers = tuple(tap_layers)
@@ -186,7 +184,7 @@ def forward(
         past = None
         if cache is not None and not cache_is_empty:
             past = (cache.k[index], cache.v[index], past_mask)
-        h, k, v = _layer(p, cfg, h, positions, inv_freq, new_mask, past)
+        h, k, v = _layer(p, cfg, h, rope, new_mask, past)
         new_k.append(k)
         new_v.append(v)
     out = _finish(params, cfg, h, taps, logit_positions, compute_logits)
@@ -218,7 +216,7 @@ def forward_stacked(
     if is_serving(params):
         raise TypeError("forward_stacked() takes stacked params (eagle3_jax.model.to_stacked); "
                         "use forward() for the serving layout")
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    rope = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     b, t = tokens.shape
     h = _embed(params, cfg, tokens)
     tap_layers = tuple(tap_layers)
@@ -228,7 +226,7 @@ def forward_stacked(
         p, index = xs
         for j, tap in enumerate(tap_layers):
             taps = taps.at[j].set(jnp.where(index == tap, h, taps[j]))
-        h, _, _ = _layer(to_serving_layer(p, cfg), cfg, h, positions, inv_freq, mask, None)
+        h, _, _ = _layer(to_serving_layer(p, cfg), cfg, h, rope, mask, None)
         return (h, taps), None
 
     taps0 = jnp.zeros((len(tap_layers), b, t, cfg.hidden_size), h.dtype)
@@ -276,7 +274,7 @@ def prefill(params: Params, cfg: TargetConfig, tokens: jax.Array, lengths: jax.A
 
 
 def _write_cache(cache: KVCache, new_k, new_v, after: jax.Array) -> KVCache:
-    """Write each layer's new keys [B, K, H, T] / values [B, K, T, H] at slots [end, end + T).
+    """Write each layer's new keys / values [B, T, K, H] at slots [end, end + T).
 
     Out-of-range slots are dropped; decoders stop before the cache is full. The values are made
     to depend on ``after`` (the final hidden state, [B, T, D]; adding 0 changes nothing for finite
@@ -287,8 +285,7 @@ def _write_cache(cache: KVCache, new_k, new_v, after: jax.Array) -> KVCache:
     rows = jnp.arange(b)[:, None]
     slots = cache.end[:, None] + jnp.arange(t)[None, :]  # [B, T]
     order = (0 * after[:, :, None, :1]).astype(new_v[0].dtype)  # [B, T, 1, 1]
-    written = [write_kv(k, v, rows, slots, nk.transpose(0, 3, 1, 2) + order,
-                        nv.transpose(0, 2, 1, 3) + order)  # both as [B, T, K, H]
+    written = [write_kv(k, v, rows, slots, nk + order, nv + order)
                for k, v, nk, nv in zip(cache.k, cache.v, new_k, new_v)]
     k, v = (tuple(layers) for layers in zip(*written))
     return dataclasses.replace(cache, k=k, v=v)

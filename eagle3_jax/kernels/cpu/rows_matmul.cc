@@ -17,20 +17,18 @@
 //    therefore computed by the same instructions whatever M is and wherever the row falls in a
 //    block: a row's result does not depend on how many rows are in the call (a verification
 //    forward and a decode step see bit-identical matmuls).
-//  * threads: `out` is cut into chunks; the calling thread and up to (pool size) tasks on XLA's
-//    intra-op pool take chunks from an atomic counter; the caller returns when all chunks are
-//    done (a late task finds none and exits). Chunk boundaries never change a result.
+//  * threads: `out` is cut into chunks run on XLA's intra-op pool (parallel.h). Chunk
+//    boundaries never change a result.
 //  * x86-64 with AVX2 and FMA (AVX-512F used where present); `eagle3_rows_matmul_supported()`
 //    says whether this CPU can run it, and the Python side falls back to the XLA dot when it cannot (or the library is
 //    absent: eagle3_jax/kernels/matmul.py).
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__x86_64__)
@@ -330,29 +328,6 @@ const OutRangeFn kInOutRange = SelectInOutRange();
 
 #endif  // EAGLE3_X86
 
-struct Job {
-#if EAGLE3_X86
-  OutRangeFn range;  // kOutRange ([out, in] weights) or kInOutRange ([in, out])
-#endif
-  const float* x;
-  const float* w;
-  float* y;
-  int64_t rows, in, out, chunk, num_chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Work() {
-#if EAGLE3_X86
-    for (int64_t c = next.fetch_add(1); c < num_chunks; c = next.fetch_add(1)) {
-      const int64_t begin = c * chunk;
-      const int64_t end = begin + chunk < out ? begin + chunk : out;
-      range(x, rows, w, in, y, out, begin, end);
-      done.fetch_add(1, std::memory_order_release);
-    }
-#endif
-  }
-};
-
 // Chunks of `out`: about 4 per thread (load balance), at least `unit` outputs and a multiple of
 // it (4 weight rows of [out, in]; a 64-column panel of [in, out]).
 int64_t ChunkSize(int64_t out, int64_t threads, int64_t unit) {
@@ -379,26 +354,15 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi:
     std::memset(y->typed_data(), 0, sizeof(float) * rows * out);
     return ffi::Error::Success();
   }
-  int64_t threads = pool.num_threads();
-  if (threads < 1) threads = 1;
-  if (const char* cap = std::getenv("EAGLE3_JAX_CPU_KERNEL_THREADS")) {
-    const int64_t n = std::atoll(cap);
-    if (n >= 1 && n < threads) threads = n;
-  }
-  auto job = std::make_shared<Job>();
-  job->range = w_in_out ? kInOutRange : kOutRange;
-  job->x = x.typed_data();
-  job->w = w.typed_data();
-  job->y = y->typed_data();
-  job->rows = rows;
-  job->in = in;
-  job->out = out;
-  job->chunk = ChunkSize(out, threads, w_in_out ? 64 : 4);
-  job->num_chunks = (out + job->chunk - 1) / job->chunk;
-  const int64_t helpers = job->num_chunks - 1 < threads - 1 ? job->num_chunks - 1 : threads - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->num_chunks) _mm_pause();
+  const OutRangeFn range = w_in_out ? kInOutRange : kOutRange;
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  const int64_t chunk = ChunkSize(out, eagle3::ThreadCount(pool), w_in_out ? 64 : 4);
+  eagle3::ParallelFor(pool, (out + chunk - 1) / chunk, [&](int64_t c) {
+    const int64_t begin = c * chunk;
+    range(xp, rows, wp, in, yp, out, begin, begin + chunk < out ? begin + chunk : out);
+  });
   return ffi::Error::Success();
 #else
   return ffi::Error::Internal("rows_matmul: built for a CPU other than x86-64");
