@@ -10,9 +10,10 @@ Measures, on the running machine:
     read of an array as large as the parameters) and compute (the forward's FLOPs / the float32
     matmul peak measured in the same run), per T, and the ratios of each forward to the decode
     step and to max(floors);
-  * every forward twice, with the CPU kernel for few-row matmuls on and off
-    (``eagle3_jax.kernels.matmul``; alternating rounds, medians), so the table shows what
-    the kernel buys;
+  * every forward three times: XLA ops only, the CPU kernel for few-row matmuls
+    (``eagle3_jax.kernels.matmul``), and that plus the cached-attention kernel
+    (``eagle3_jax.kernels.attention``; alternating rounds, medians), so the table shows what
+    each kernel buys;
   * one draft step of the target's shipped head over w = 1, 4, 10 tokens (a tree level);
   * greedy tokens/s of ``eagle3_jax.decoding.generate`` against HF transformers float32 greedy
     ``generate`` on the same chat prompts, batch 1, interleaved, medians.
@@ -107,18 +108,20 @@ def compute_floor_seconds(cfg, context: int, t: int, peak_flops: float) -> float
 
 
 def curves_by_kernel(params, cfg, context: int, sizes, repeats: int, rounds: int):
-    """{"kernel": curve, "xla": curve} (seconds per T, and "loop"): the same forwards with the CPU
-    kernel on and off, ``rounds`` alternating rounds (recompiled each), per-T median of rounds.
-    Only {"xla": ...} where the kernel is unavailable."""
+    """{"xla": curve, "matmul kernel": curve, "kernel": curve} (seconds per T, and "loop"): the
+    same forwards with XLA ops only, with the CPU matmul kernel, and with both CPU kernels
+    (matmul and cached attention), ``rounds`` alternating rounds (recompiled each), per-T
+    median of rounds. Only {"xla": ...} where the kernels are unavailable."""
     from eagle3_jax import kernels as rm
 
-    modes = ("xla", "kernel") if rm.kernel_available() else ("xla",)
+    settings = {"xla": False, "matmul kernel": ("matmul",), "kernel": True}
+    modes = tuple(settings) if rm.kernel_available() else ("xla",)
     samples: dict[str, list[dict]] = {mode: [] for mode in modes}
     previous = rm.set_kernel_enabled(None)
     try:
         for _ in range(rounds):
             for mode in modes:
-                rm.set_kernel_enabled(mode == "kernel")
+                rm.set_kernel_enabled(settings[mode])
                 jax.clear_caches()
                 samples[mode].append(forward_curve(params, cfg, context, sizes, repeats,
                                                    loop_steps=LOOP_STEPS))
@@ -151,7 +154,9 @@ def plot_curve(path: str, curves_ms: dict[str, dict[int, float]], bandwidth_ms: 
     import matplotlib.pyplot as plt
     sizes = sorted(compute_ms)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {"kernel": ("o-", "forward, CPU kernel"), "xla": ("s--", "forward, XLA dot")}
+    styles = {"kernel": ("o-", "forward, CPU kernels (matmul + attention)"),
+              "matmul kernel": ("^:", "forward, CPU matmul kernel, XLA attention"),
+              "xla": ("s--", "forward, XLA ops only")}
     for mode, curve in curves_ms.items():
         style, label = styles[mode]
         ax.plot(sizes, [curve[t] for t in sizes], style, label=label)
@@ -181,7 +186,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="1,2,4,8,16,32,64")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=2,
-                        help="alternating rounds of the curve with the CPU kernel off and on")
+                        help="alternating rounds of the curve with XLA ops, the matmul kernel, both kernels")
     parser.add_argument("--draft-widths", default="1,4,10",
                         help="draft step widths to time with the target's shipped head")
     parser.add_argument("--max-new-tokens", type=int, default=128)

@@ -30,7 +30,7 @@ TARGETS = {
 # What the kernels are built from (package-relative), for caches keyed on the timed code.
 SOURCES = ("kernels/cpu/rows_matmul.cc", "kernels/cpu/attention.cc", "kernels/cpu/parallel.h")
 
-_enabled_override: bool | None = None
+_enabled_override: bool | tuple[str, ...] | None = None
 
 
 def _library_path() -> Path | None:
@@ -62,10 +62,11 @@ def _load() -> tuple[bool, str]:
     return True, str(path)
 
 
-def set_kernel_enabled(enabled: bool | None) -> bool | None:
-    """Force the kernels on/off for code traced from now on (None: back to the default, on
-    unless ``EAGLE3_JAX_CPU_KERNEL=0``). Returns the previous setting. Already-compiled
-    functions keep what they were traced with (``jax.clear_caches()`` drops them)."""
+def set_kernel_enabled(enabled: bool | tuple[str, ...] | None):
+    """Force the kernels on/off for code traced from now on: True, False, a tuple of FAMILIES
+    to keep, or None (back to ``EAGLE3_JAX_CPU_KERNEL``, default all on). Returns the previous
+    setting. Already-compiled functions keep what they were traced with
+    (``jax.clear_caches()`` drops them)."""
     global _enabled_override
     previous, _enabled_override = _enabled_override, enabled
     return previous
@@ -83,9 +84,12 @@ def _env_families() -> tuple[str, ...]:
 def kernels_enabled(family: str | None = None) -> bool:
     """The switch (``set_kernel_enabled``, else ``EAGLE3_JAX_CPU_KERNEL``) for ``family``
     ("matmul" or "attention"; None: any), availability aside."""
-    if _enabled_override is not None:
-        return _enabled_override
-    families = _env_families()
+    if _enabled_override is None:
+        families = _env_families()
+    elif isinstance(_enabled_override, tuple):
+        families = _enabled_override
+    else:
+        families = FAMILIES if _enabled_override else ()
     return bool(families) if family is None else family in families
 
 
