@@ -248,3 +248,50 @@ def test_lk_objective_matches_the_papers_equations():
     # "kl" stays the reference's cross-entropy.
     ce = -(p * np.asarray(jax.nn.log_softmax(z))).sum(-1)
     np.testing.assert_allclose(position_loss(target, jax.nn.log_softmax(z), "kl"), ce, rtol=1e-5)
+
+
+def test_training_path_loss_and_accuracy_equal_the_reference():
+    """Training (no logits returned, no hit rates) takes ``head_cross_entropy``, which computes
+    the head's gradient in the forward pass: its loss and top-1 accuracy are the reference's."""
+    cfg, params, embed, batch = _setup(steps=3)
+    loss, metrics = jax.jit(lambda p: ttt_forward(p, cfg, embed, batch))(params)
+    ref_total, ref_losses, ref_logits, weights, labels = _unrolled_reference(
+        params, cfg, embed, batch, with_weights=True)
+    np.testing.assert_allclose(metrics["loss_per_step"], ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(float(loss), ref_total, rtol=1e-5)
+    hits = np.asarray(ref_logits).argmax(-1) == labels
+    expected = (hits * weights).sum(axis=(1, 2)) / weights.sum(axis=(1, 2))
+    np.testing.assert_allclose(metrics["acc_per_step"], expected, atol=1e-6)
+
+
+def test_head_cross_entropy_equals_autodiff_of_its_definition():
+    """Value, top-1 and gradients (x, w) of the fused head loss against autodiff of
+    sum weight * -sum p log softmax(x @ w), with the target restricted to part of the
+    vocabulary (sum p < 1, as a draft vocabulary leaves it) and zero weights included."""
+    from eagle3_jax.draft.ttt import head_cross_entropy
+
+    keys = jax.random.split(jax.random.key(7), 4)
+    x = jax.random.normal(keys[0], (3, 7, D))
+    w = 0.3 * jax.random.normal(keys[1], (D, VD))
+    full = jax.nn.log_softmax(2 * jax.random.normal(keys[2], (3, 7, VD + 9)))
+    target = full[..., :VD]  # restricted: the rest of the mass is off the draft vocabulary
+    weight = jax.random.uniform(keys[3], (3, 7)) * (jnp.arange(7) % 3 != 0)
+
+    def definition(x, w):
+        logq = jax.nn.log_softmax(jnp.einsum("btd,dv->btv", x, w), -1)
+        return -jnp.sum(weight * jnp.sum(jnp.exp(target) * logq, -1))
+
+    def fused(x, w):
+        return head_cross_entropy(x, w, target, weight)[0]
+
+    loss, top1 = head_cross_entropy(x, w, target, weight)
+    np.testing.assert_allclose(float(loss), float(definition(x, w)), rtol=1e-6)
+    np.testing.assert_array_equal(top1, jnp.argmax(jnp.einsum("btd,dv->btv", x, w), -1))
+    got, want = jax.grad(fused, (0, 1))(x, w), jax.grad(definition, (0, 1))(x, w)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+    # Scaled by the cotangent (the step's 0.8**i weight and the micro-batch average).
+    got = jax.grad(lambda x, w: 0.37 * fused(x, w), (0, 1))(x, w)
+    want = jax.grad(lambda x, w: 0.37 * definition(x, w), (0, 1))(x, w)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)

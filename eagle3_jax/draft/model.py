@@ -69,10 +69,15 @@ def finish_layer(params: Params, cfg: DraftConfig, g: jax.Array, attn: jax.Array
     return h + swiglu(x, params["w_gate"], params["w_up"], params["w_down"])
 
 
+def head_input(params: Params, cfg: DraftConfig, h: jax.Array) -> jax.Array:
+    """h [B, T, D] -> what the output head ``lm_head`` [D, Vd] multiplies: the final norm."""
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+
+
 def draft_logits(params: Params, cfg: DraftConfig, h: jax.Array) -> jax.Array:
     """h [B, T, D] -> float32 logits over the draft vocabulary [B, T, Vd]."""
-    x = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    return rows_matmul(x, params["lm_head"], in_out=True, preferred_element_type=jnp.float32)
+    return rows_matmul(head_input(params, cfg, h), params["lm_head"], in_out=True,
+                       preferred_element_type=jnp.float32)
 
 
 def empty_draft_cache(cfg: DraftConfig, batch: int, slots: int) -> tuple[jax.Array, jax.Array]:

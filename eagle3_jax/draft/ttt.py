@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from eagle3_jax.draft.config import DraftConfig
-from eagle3_jax.draft.model import (draft_logits, finish_layer, fuse_taps, next_feature,
-                                    project_qkv)
+from eagle3_jax.draft.model import (draft_logits, finish_layer, fuse_taps, head_input,
+                                    next_feature, project_qkv)
 from eagle3_jax.model.params import Params
 
 STEP_WEIGHT_DECAY = 0.8
@@ -142,7 +142,6 @@ def ttt_forward(
                 + jnp.einsum("BKGTJ,JBTKH->BTKGH", p_diag, diag_v))
         attn = attn.reshape(b, t, cfg.num_heads, cfg.head_dim)
         h = finish_layer(params, cfg, g, attn)
-        logits = draft_logits(params, cfg, h)  # [B, T, Vd]
 
         # Labels: the target at x_{t+1+i} (predicting x_{t+2+i}), weighed by the loss mask.
         label_logp = shifted(logp_p, i + 1)
@@ -151,12 +150,21 @@ def ttt_forward(
         same_doc = shifted(seg_p, i + max(1, mask_offset)) == seg
         weight = (shifted(loss_mask_p, i + mask_offset) & shifted(in_draft_p, i + 1) & same_doc
                   & (seg > 0)).astype(jnp.float32)
-        logq = jax.nn.log_softmax(logits, axis=-1)
-        per_pos = position_loss(label_logp, logq, objective)  # [B, T]
         n_scored = jnp.sum(weight)
-        loss_i = jnp.sum(per_pos * weight) / jnp.maximum(n_scored, 1.0)
         label = jnp.argmax(label_logp, -1)
-        hit = jnp.argmax(logits, -1) == label
+        if objective == "kl" and not (return_logits or hit_ranks):
+            # Training: the loss, its gradient through the output head and the draft's top-1
+            # in one function (``head_cross_entropy``): nothing [B, T, Vd] is kept for backward.
+            loss_i, top1 = head_cross_entropy(head_input(params, cfg, h), params["lm_head"],
+                                              label_logp, weight / jnp.maximum(n_scored, 1.0))
+            logits = None
+        else:
+            logits = draft_logits(params, cfg, h)  # [B, T, Vd]
+            logq = jax.nn.log_softmax(logits, axis=-1)
+            per_pos = position_loss(label_logp, logq, objective)  # [B, T]
+            loss_i = jnp.sum(per_pos * weight) / jnp.maximum(n_scored, 1.0)
+            top1 = jnp.argmax(logits, -1)
+        hit = top1 == label
         acc_i = jnp.sum(hit * weight) / jnp.maximum(n_scored, 1.0)
         hits_i = None
         if hit_ranks:
@@ -191,3 +199,60 @@ def position_loss(target_logp: jax.Array, draft_logq: jax.Array, objective: str)
     alpha = jnp.sum(jnp.minimum(p, jnp.exp(draft_logq)), axis=-1)
     lam = jax.lax.stop_gradient(jnp.exp(-3.0 * alpha))
     return lam * (cross_entropy - entropy) + (1.0 - lam) * (1.0 - alpha)
+
+
+@jax.custom_vjp
+def head_cross_entropy(x: jax.Array, w: jax.Array, target_logp: jax.Array,
+                       weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The "kl" objective through the draft's output head, with its gradient computed forward.
+
+    Args:
+      x: [..., D] the normed hidden state; w: [D, Vd] the output head (``lm_head``).
+      target_logp: [..., Vd] the target's log-probabilities over the draft vocabulary.
+      weight: [...] each position's weight in the sum (no gradient).
+    Returns:
+      (sum over positions of weight * cross-entropy(p, softmax(x @ w)) — a scalar, the draft's
+      top-1 token [...] int32).
+
+    The same value and gradients as autodiff of ``position_loss(..., "kl")`` over
+    ``draft_logits``. But the loss is a scalar, so d loss / d logits =
+    weight * (softmax(logits) * sum(p) - p) is known up to the scalar cotangent already in the
+    forward pass: the forward computes the two head gradients there and keeps only them
+    ([..., D] and [D, Vd]) for the backward, which scales them. Autodiff instead keeps the
+    [..., Vd] logits of every TTT step (freshly zeroed scan buffers, hundreds of MB a step) and
+    fuses the softmax backward into a transposing copy (``bench train``).
+    """
+    loss, top1, _ = _head_cross_entropy_fwd_parts(x, w, target_logp, weight, grads=False)
+    return loss, top1
+
+
+def _head_cross_entropy_fwd_parts(x, w, target_logp, weight, grads: bool):
+    lead, d = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, d)
+    logits = jnp.dot(x2, w, preferred_element_type=jnp.float32)  # [N, Vd]
+    logq = jax.nn.log_softmax(logits, axis=-1)
+    p = jnp.exp(target_logp.reshape(logits.shape).astype(jnp.float32))
+    wt = weight.reshape(-1).astype(jnp.float32)
+    loss = -jnp.sum(wt * jnp.sum(p * logq, axis=-1))
+    top1 = jnp.argmax(logits, axis=-1).reshape(lead)
+    if not grads:
+        return loss, top1, None
+    d_logits = wt[:, None] * (jnp.exp(logq) * jnp.sum(p, axis=-1, keepdims=True) - p)
+    d_x = jnp.dot(d_logits, w.T.astype(jnp.float32), preferred_element_type=jnp.float32)
+    d_w = jnp.dot(x2.T.astype(jnp.float32), d_logits, preferred_element_type=jnp.float32)
+    return loss, top1, (d_x.reshape(x.shape), d_w)
+
+
+def _head_cross_entropy_fwd(x, w, target_logp, weight):
+    loss, top1, (d_x, d_w) = _head_cross_entropy_fwd_parts(x, w, target_logp, weight, grads=True)
+    return (loss, top1), (d_x.astype(x.dtype), d_w.astype(w.dtype))
+
+
+def _head_cross_entropy_bwd(residuals, cotangents):
+    d_x, d_w = residuals
+    g = cotangents[0]
+    # The target and the weights are data: no cotangent (None: zeros, nothing kept for them).
+    return (g * d_x).astype(d_x.dtype), (g * d_w).astype(d_w.dtype), None, None
+
+
+head_cross_entropy.defvjp(_head_cross_entropy_fwd, _head_cross_entropy_bwd)
