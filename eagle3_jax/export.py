@@ -1,8 +1,11 @@
-"""``python -m eagle3_jax.export --checkpoint RUN_DIR [--step N] --out DIR [--dtype bfloat16]``
+"""``python -m eagle3_jax.export --checkpoint RUN_DIR [--step N] --out DIR [--dtype bfloat16]
+[--format sglang|reference|speculators] [--verifier HF_ID]``
 
-Writes a training run's draft head in the released EAGLE-3 format (``config.json`` +
-``model.safetensors``, reference §6), loadable by ``eagle3_jax.draft.load.load_head``,
-SGLang / SpecForge and vLLM. Beside them, ``acceptance.json``: the run's held-out eval at that
+Writes a training run's draft head in a published EAGLE-3 layout (``config.json`` +
+``model.safetensors``, reference §6; ``eagle3_jax.draft.export``): ``sglang`` (the default:
+SGLang / SpecForge, also read by vLLM and ``eagle3_jax.draft.load.load_head``), ``reference``
+(SafeAILab/EAGLE) or ``speculators`` (vLLM's, naming the target as its verifier: ``--verifier``,
+default the run's target). A head a layout cannot describe is refused, naming why. Beside them, ``acceptance.json``: the run's held-out eval at that
 step (per-depth top-r hit rates, what ``--total-tokens auto`` models trees from).
 
 ``--card TITLE`` also writes ``README.md``, the head's model card (``eagle3_jax.draft.card``),
@@ -28,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output folder for the head")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="weight dtype (default: the run's)")
+    parser.add_argument("--format", default="sglang", choices=("sglang", "reference", "speculators"),
+                        help="the layout to write (default sglang)")
+    parser.add_argument("--verifier", default=None, metavar="HF_ID",
+                        help="with --format speculators: the target's HF id or path (default: "
+                             "the run's target)")
     parser.add_argument("--card", metavar="TITLE", default=None,
                         help="also write README.md, the model card, with this title")
     parser.add_argument("--build-info", metavar="JSON", default=None,
@@ -54,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise HeadError(f"--results takes NAME=PATH of a bench speed JSON, got {item!r}")
             results.append((name, json.loads(Path(path).read_text())))
         loaded = load_head(args.checkpoint, step=args.step)
-        out = export_draft_head(loaded.head, args.out, dtype=args.dtype)
         run_dir = loaded.run_dir
+        verifier = _verifier(args.verifier, run_dir) if args.format == "speculators" else None
+        out = export_draft_head(loaded.head, args.out, dtype=args.dtype, format=args.format,
+                                verifier=verifier)
         record = latest_eval(run_dir / METRICS_FILE, loaded.step)
         acceptance = out / ACCEPTANCE_FILE
         if record is not None:
@@ -73,6 +83,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote the step-{loaded.step} draft head of {args.checkpoint} to {out}")
 
     return run_cli(body, debug=args.debug)
+
+
+# HF architecture names of our target families (a speculators config names its verifier's).
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _verifier(name: str | None, run_dir) -> dict:
+    """{"name_or_path", "architectures"} of the run's target: ``name`` or the run's
+    ``target``, its architecture from the preset when there is one."""
+    import yaml
+
+    target = None
+    config = run_dir / "train_config.yaml" if run_dir is not None else None
+    if config is not None and config.is_file():
+        target = (yaml.safe_load(config.read_text()) or {}).get("target")
+    architectures = []
+    if target:
+        try:
+            from eagle3_jax.presets import load_preset
+
+            architectures = [HF_ARCHITECTURES[load_preset(str(target)).target.arch]]
+        except Exception:  # a path or an HF folder, not a preset: leave it unnamed
+            architectures = []
+    return {"name_or_path": name or target, "architectures": architectures}
 
 
 if __name__ == "__main__":

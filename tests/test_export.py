@@ -9,13 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from torch_eagle3_reference import Eagle3Reference
 
 from eagle3_jax.draft.config import DraftConfig
-from eagle3_jax.draft.export import (DraftExportError, export_draft_head, load_draft_head,
+from eagle3_jax.draft.export import (FORMATS, DraftExportError, export_draft_head,
+                                     load_draft_head,
                                      read_safetensors, write_safetensors)
 from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache, fuse_taps
 from eagle3_jax.draft.params import DraftHead, VocabMap, init_draft_params
-from eagle3_jax.model.config import ConfigError, TargetConfig
+from eagle3_jax.model.config import ConfigError, RopeScaling, TargetConfig
 
 V, VD, D = 96, 40, 32
 
@@ -25,6 +27,20 @@ def target_cfg(**changes):
                   num_heads=4, num_kv_heads=2, head_dim=8)
     fields.update(changes)
     return TargetConfig(**fields)
+
+
+VARIANTS = {
+    "eagle3": {},
+    "fc_norm": {"fc_norm": True},  # SpecForge's EAGLE-3.1: per-tap norms only
+    "eagle3.1": {"fc_norm": True, "norm_output": True},  # vLLM's: and the normed feature back
+    "norm_before_residual": {"norm_before_residual": True},
+    "linear_rope_scaling": {"rope_scaling": RopeScaling(kind="linear", factor=4.0)},
+    # Wavelengths below, inside and above the ramp of original 64 / factors 4 and 1.
+    "llama3_rope_scaling": {"rope_scaling": RopeScaling(kind="llama3", factor=8.0,
+                                                        low_freq_factor=1.0,
+                                                        high_freq_factor=4.0,
+                                                        original_max_position_embeddings=64)},
+}
 
 
 def make_head(draft_vocab=VD, seed=0, **overrides) -> DraftHead:
@@ -68,21 +84,45 @@ def test_roundtrip_is_identity(tmp_path):
     np.testing.assert_array_equal(loaded.vocab.t2d, head.vocab.t2d)
 
 
-def test_eagle31_head_roundtrips_with_its_flags_and_tap_norms(tmp_path):
-    head = make_head(fc_norm=True, norm_output=True)
-    export_draft_head(head, tmp_path)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("variant", ["eagle3", "fc_norm", "eagle3.1", "norm_before_residual",
+                                     "linear_rope_scaling", "llama3_rope_scaling",
+                                     "full_vocab"])
+def test_every_head_roundtrips_through_every_layout_that_describes_it(tmp_path, variant, fmt):
+    """Export then load gives the same config, weights and vocabulary maps in each layout; a
+    layout that cannot describe the head refuses to write it (naming what it lacks)."""
+    head = make_head(**VARIANTS[variant]) if variant != "full_vocab" else make_head(draft_vocab=V)
+    refused = {"reference": {"fc_norm", "eagle3.1", "norm_before_residual",
+                             "llama3_rope_scaling"},
+               "sglang": {"eagle3.1", "norm_before_residual"}, "speculators": set()}[fmt]
+    if variant in refused:
+        with pytest.raises(DraftExportError, match="--format speculators"):
+            export_draft_head(head, tmp_path, format=fmt)
+        return
+    export_draft_head(head, tmp_path, format=fmt, verifier={"name_or_path": "t/target",
+                                                            "architectures": ["LlamaForCausalLM"]})
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["fc_norm"] is True and config["norm_output"] is True
-    assert read_safetensors(tmp_path / "model.safetensors")["fc_norm.weight"].shape == (3, D)
+    tensors = read_safetensors(tmp_path / "model.safetensors")
+    layer = "layers.0." if fmt == "speculators" else "midlayer."
+    assert f"{layer}self_attn.q_proj.weight" in tensors
+    if head.cfg.fc_norm:
+        assert tensors["fc_norm.1.weight"].shape == (D,)
+    if fmt == "speculators":
+        assert config["speculators_model_type"] == "eagle3"
+        assert config["transformer_layer_config"]["hidden_size"] == D
+        assert config["speculators_config"]["verifier"]["name_or_path"] == "t/target"
+        assert config["norm_before_residual"] is head.cfg.norm_before_residual
+        assert ("d2t" in tensors) == (variant != "full_vocab")
+    else:
+        assert config["architectures"] == [
+            "LlamaForCausalLMEagle3" if fmt == "sglang" else "LlamaForCausalLM"]
+        assert "norm_output" not in config and "norm_before_residual" not in config
     loaded = load_draft_head(tmp_path, target_cfg())
     assert loaded.cfg == head.cfg
     for name, value in head.params.items():
         np.testing.assert_array_equal(loaded.params[name], value, err_msg=name)
-    # An EAGLE-3 head's config names neither flag, and loads as EAGLE-3.
-    export_draft_head(make_head(), tmp_path / "plain")
-    plain = json.loads((tmp_path / "plain" / "config.json").read_text())
-    assert "fc_norm" not in plain and "norm_output" not in plain
-    assert not load_draft_head(tmp_path / "plain", target_cfg()).cfg.norm_output
+    np.testing.assert_array_equal(loaded.vocab.d2t, head.vocab.d2t)
+    np.testing.assert_array_equal(loaded.vocab.t2d, head.vocab.t2d)
 
 
 def test_bfloat16_export(tmp_path):
@@ -100,78 +140,60 @@ def test_bfloat16_export(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# An independent reading: the reference draft layer in plain PyTorch, from the exported file.
+# An independent reading: the draft head in plain PyTorch (tests/torch_eagle3_reference.py),
+# from the exported files.
 
 
-def torch_draft_layer(w, config, embeds, g, positions):
-    """Reference §2 in PyTorch for one sequence: embeds, g [T, D]; positions [T]."""
-    eps = config["rms_norm_eps"]
-    n, k, h = (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"])
-
-    def rms(x, weight):
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-    def rope(x):
-        inv = 1.0 / (config["rope_theta"] ** (torch.arange(0, h, 2, dtype=torch.float64) / h))
-        ang = positions[:, None].double() * inv
-        cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
-        x1, x2 = x[..., : h // 2], x[..., h // 2:]
-        return x * cos + torch.cat([-x2, x1], -1) * sin
-
-    t = embeds.shape[0]
-    p = "midlayer."
-    x = torch.cat([rms(embeds, w[p + "input_layernorm.weight"]),
-                   rms(g, w[p + "hidden_norm.weight"])], -1)
-    q = rope((x @ w[p + "self_attn.q_proj.weight"].T).view(t, n, h))
-    key = rope((x @ w[p + "self_attn.k_proj.weight"].T).view(t, k, h))
-    val = (x @ w[p + "self_attn.v_proj.weight"].T).view(t, k, h)
-    key, val = key.repeat_interleave(n // k, 1), val.repeat_interleave(n // k, 1)
-    scores = torch.einsum("tnh,snh->nts", q, key) / h ** 0.5
-    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
-    attn = torch.einsum("nts,snh->tnh", scores.softmax(-1), val).reshape(t, n * h)
-    hid = g + attn @ w[p + "self_attn.o_proj.weight"].T
-    y = rms(hid, w[p + "post_attention_layernorm.weight"])
-    mlp = (torch.nn.functional.silu(y @ w[p + "mlp.gate_proj.weight"].T)
-           * (y @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
-    hid = hid + mlp
-    logits = rms(hid, w["norm.weight"]) @ w["lm_head.weight"].T
-    return hid, logits
-
-
-def test_exported_file_matches_torch_reference(tmp_path):
-    head = make_head()
-    export_draft_head(head, tmp_path)
+@pytest.mark.parametrize("variant,fmt", [
+    ("eagle3", "sglang"), ("eagle3", "reference"), ("eagle3", "speculators"),
+    ("fc_norm", "sglang"), ("eagle3.1", "speculators"), ("norm_before_residual", "speculators"),
+    ("llama3_rope_scaling", "sglang"), ("llama3_rope_scaling", "speculators"),
+    ("linear_rope_scaling", "reference")])
+def test_exported_file_matches_torch_reference(tmp_path, variant, fmt):
+    """Our cached draft steps (a 6-token prompt, then two single-token steps on the fed-back
+    feature) against ``tests/torch_eagle3_reference.py`` reading the exported files with the
+    safetensors library: every head variant in every layout that carries it."""
+    head = make_head(**VARIANTS[variant])
+    export_draft_head(head, tmp_path, format=fmt)
     config = json.loads((tmp_path / "config.json").read_text())
     from safetensors.torch import load_file
 
-    w = {k: v.double() if v.is_floating_point() else v
-         for k, v in load_file(str(tmp_path / "model.safetensors")).items()}
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    ref = Eagle3Reference({k: v for k, v in tensors.items() if v.is_floating_point()}, config)
 
-    t = 6
+    t, steps = 6, 2
     rng = np.random.default_rng(1)
-    taps = rng.normal(size=(t, 3 * D)).astype(np.float32)
-    embeds = rng.normal(size=(t, D)).astype(np.float32)
-    positions = np.arange(t) + 3
+    taps = rng.normal(size=(1, t, 3 * D)).astype(np.float32)
+    embeds = rng.normal(size=(1, t + steps, D)).astype(np.float32)
+    slots = t + steps
+    cache = empty_draft_cache(head.cfg, 1, slots)
+    mask_all = jnp.tril(jnp.ones((slots, slots), bool))[None]
 
-    # Ours: fc then one cached draft step over an empty cache of t slots.
-    g = fuse_taps(head.params, head.cfg, jnp.asarray(taps)[None])
-    mask = jnp.tril(jnp.ones((t, t), bool))[None]
-    hid, logits, _, _ = draft_step_cached(head.params, head.cfg, jnp.asarray(embeds)[None], g,
-                                          jnp.asarray(positions)[None], mask,
-                                          *empty_draft_cache(head.cfg, 1, t), jnp.arange(t)[None])
-
-    g_ref = torch.from_numpy(taps).double() @ w["fc.weight"].T
-    hid_ref, logits_ref = torch_draft_layer(w, config, torch.from_numpy(embeds).double(), g_ref,
-                                            torch.from_numpy(positions))
-    np.testing.assert_allclose(np.asarray(g[0]), g_ref.numpy(), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(hid[0]), hid_ref.numpy(), atol=1e-4)
-    np.testing.assert_allclose(np.asarray(logits[0]), logits_ref.numpy(), atol=1e-4)
+    g = fuse_taps(head.params, head.cfg, jnp.asarray(taps))
+    g_ref = ref.fuse(torch.from_numpy(taps))
+    np.testing.assert_allclose(np.asarray(g), g_ref.numpy(), atol=1e-5)
+    start, width = 0, t
+    for step in range(steps + 1):
+        positions = np.arange(start, start + width)[None] + 3
+        feature, logits, *cache = draft_step_cached(
+            head.params, head.cfg, jnp.asarray(embeds[:, start:start + width]), g,
+            jnp.asarray(positions), mask_all[:, start:start + width], *cache,
+            jnp.arange(start, start + width)[None])
+        logits_ref, feature_ref = ref.step(torch.from_numpy(embeds[:, start:start + width]),
+                                           g_ref, torch.from_numpy(positions))
+        np.testing.assert_allclose(np.asarray(logits), logits_ref.numpy(), atol=1e-4,
+                                   err_msg=f"step {step}")
+        np.testing.assert_allclose(np.asarray(feature), feature_ref.numpy(), atol=1e-4,
+                                   err_msg=f"step {step}")
+        # The next step: one token on the last position's fed-back feature.
+        g, g_ref = feature[:, -1:], feature_ref[:, -1:]
+        start, width = start + width, 1
     # Draft ids map back to the same target ids through either reading of d2t.
-    draft_ids = logits_ref.argmax(-1)
-    target_ids = draft_ids + w["d2t"][draft_ids]
+    draft_ids = logits_ref[0].argmax(-1)
+    target_ids = draft_ids + tensors["d2t"][draft_ids]
     np.testing.assert_array_equal(np.asarray(head.vocab.draft_to_target)[draft_ids.numpy()],
                                   target_ids.numpy())
-    assert bool(w["t2d"][target_ids].all())
+    assert bool(tensors["t2d"][target_ids].all())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,27 +217,64 @@ def test_identity_vocab_and_defaults(tmp_path):
     np.testing.assert_array_equal(loaded.vocab.t2d, np.ones(V, bool))
 
 
-def test_speculators_layout(tmp_path):
+def test_speculators_flags_are_read_as_vllm_writes_them_or_refused(tmp_path):
+    """A speculators config must say norm_before_residual (speculators and vLLM default it
+    differently); norm_before_fc heads, unknown tensors and other speculator types are refused;
+    a stored embed_tokens (speculators saves one) is read around: the target's is used."""
     head = make_head()
-    export_draft_head(head, tmp_path)
-    tensors = read_safetensors(tmp_path / "model.safetensors")
-    tensors = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
-    write_safetensors(tmp_path / "model.safetensors", tensors)
+    export_draft_head(head, tmp_path, format="speculators")
     config = json.loads((tmp_path / "config.json").read_text())
-    layer = {k: config.pop(k) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                        "num_key_value_heads", "head_dim", "rms_norm_eps",
-                                        "rope_theta", "vocab_size")}
-    config["transformer_layer_config"] = layer
-    config["speculators_model_type"] = "eagle3"
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    loaded = load_draft_head(tmp_path, target_cfg())
+
+    def load_with(**changes):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+        return load_draft_head(tmp_path, target_cfg())
+
+    assert load_with(norm_before_residual=True).cfg.norm_before_residual
+    del config["norm_before_residual"]
+    with pytest.raises(DraftExportError, match="does not say norm_before_residual"):
+        load_with()
+    config["norm_before_residual"] = False
+    with pytest.raises(DraftExportError, match="norm_before_fc"):
+        load_with(norm_before_fc=True)
+    with pytest.raises(DraftExportError, match="not an EAGLE-3 head"):
+        load_with(speculators_model_type="mlp")
+    tensors = read_safetensors(tmp_path / "model.safetensors")
+    write_safetensors(tmp_path / "model.safetensors",
+                      {**tensors, "embed_tokens.weight": np.zeros((V, D), np.float32)})
+    loaded = load_with()
     for name, value in head.params.items():
         np.testing.assert_array_equal(loaded.params[name], value, err_msg=name)
+    write_safetensors(tmp_path / "model.safetensors",
+                      {**tensors, "layers.0.self_attn.q_norm.weight": np.ones(8, np.float32)})
+    with pytest.raises(DraftExportError, match="q_norm"):
+        load_with()
 
-    config["norm_before_residual"] = True
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(DraftExportError, match="norm_before_residual"):
-        load_draft_head(tmp_path, target_cfg())
+
+def test_flat_config_flags_and_rope_are_read_as_specforge_writes_them(tmp_path):
+    """In a flat (SGLang / SpecForge) config, norm_output true is the standard head and false
+    (no final norm) is refused; taps nested under eagle_config are found; RoPE scaling in
+    transformers 5's rope_parameters is applied and an unsupported kind refused."""
+    head = make_head()
+    export_draft_head(head, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+
+    def load_with(**changes):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+        return load_draft_head(tmp_path, target_cfg())
+
+    assert load_with(norm_output=True).cfg == head.cfg
+    with pytest.raises(DraftExportError, match="norm_output false"):
+        load_with(norm_output=False)
+    taps = config.pop("eagle_aux_hidden_state_layer_ids")
+    assert load_with(eagle_config={"eagle_aux_hidden_state_layer_ids": taps}).cfg == head.cfg
+    config["eagle_aux_hidden_state_layer_ids"] = taps
+    theta = config.pop("rope_theta")
+    scaled = load_with(rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                        "rope_theta": theta})
+    assert scaled.cfg.rope_scaling == RopeScaling(kind="linear", factor=2.0)
+    assert scaled.cfg.rope_theta == theta
+    with pytest.raises(DraftExportError, match="yarn"):
+        load_with(rope_scaling={"rope_type": "yarn", "factor": 4.0})
 
 
 def test_missing_files(tmp_path):
@@ -290,4 +349,12 @@ def test_export_cli_from_training_run(tmp_path):
     for name, value in head.params.items():
         np.testing.assert_array_equal(loaded.params[name], value, err_msg=name)
     np.testing.assert_array_equal(loaded.vocab.t2d, head.vocab.t2d)
+    # vLLM's layout names the run's target as the verifier; a wrong format is a usage error.
+    assert main(["--checkpoint", str(run), "--step", "1", "--out", str(tmp_path / "spec"),
+                 "--format", "speculators", "--verifier", "org/target"]) == 0
+    spec = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == "org/target"
+    again = load_draft_head(tmp_path / "spec", tcfg)
+    for name, value in head.params.items():
+        np.testing.assert_array_equal(again.params[name], value, err_msg=name)
     assert main(["--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from eagle3_jax.model.config import ConfigError, TargetConfig
+from eagle3_jax.model.config import ConfigError, RopeScaling, TargetConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +19,10 @@ class DraftConfig:
     EAGLE-3.1 (vLLM, 2026; both off in EAGLE-3 heads): ``fc_norm`` puts an RMSNorm on each of
     the three taps before ``fc``; ``norm_output`` feeds the *normed* output (``final_norm(h)``,
     what ``lm_head`` reads) back as the next step's feature instead of the un-normed ``h``.
+
+    ``norm_before_residual`` (vLLM ``speculators`` heads): the attention's residual is the
+    *normed* feature ``hidden_norm(g)`` instead of ``g``. ``rope_scaling``: the head's RoPE
+    scaling (llama3 or linear, as the target's), None for plain RoPE at ``rope_theta``.
     """
 
     hidden_size: int
@@ -36,6 +40,8 @@ class DraftConfig:
     dtype: str = "float32"
     fc_norm: bool = False  # EAGLE-3.1: per-tap RMSNorm before fc
     norm_output: bool = False  # EAGLE-3.1: the normed output is the next step's feature
+    norm_before_residual: bool = False  # speculators: residual = hidden_norm(g), not g
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "tap_layers", tuple(int(t) for t in self.tap_layers))
@@ -101,4 +107,7 @@ class DraftConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown draft config keys {unknown}; known: {sorted(known)}")
+        data = dict(data)
+        if isinstance(data.get("rope_scaling"), Mapping):  # as to_dict writes it
+            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
         return cls(**data)

@@ -1,9 +1,17 @@
-"""Write and read a draft head in the released EAGLE-3 checkpoint format (reference §6).
+"""Write and read a draft head in the published EAGLE-3 layouts (reference §6).
 
-A head folder holds::
+Three layouts (``FORMATS``), each a folder of ``config.json`` + ``model.safetensors``:
 
-    config.json         a Llama config with num_hidden_layers 1, draft_vocab_size and
-                        eagle_aux_hidden_state_layer_ids (our tap layers)
+    sglang       SGLang / SpecForge (the default; also what vLLM and eagle3_jax read): a flat
+                 one-layer Llama config, ``architectures: ["LlamaForCausalLMEagle3"]``,
+                 ``draft_vocab_size``, ``eagle_aux_hidden_state_layer_ids`` (our tap layers),
+                 ``fc_norm: true`` for EAGLE-3.1 per-tap norms
+    reference    SafeAILab/EAGLE: the same flat config as ``LlamaForCausalLM`` (its loader reads
+                 ``model.safetensors`` when there is no ``pytorch_model.bin``)
+    speculators  vLLM's: the Llama fields nested under ``transformer_layer_config``, the EAGLE-3
+                 fields (``norm_before_residual``, ``fc_norm``, ``norm_output``, ...) at the top,
+                 the layer named ``layers.0.`` instead of ``midlayer.``
+
     model.safetensors   PyTorch [out, in] layouts, no embed_tokens:
         fc.weight                                [D, 3D]
         midlayer.input_layernorm.weight          [D]     (ours: attn_norm, on the embedding)
@@ -14,15 +22,16 @@ A head folder holds::
         midlayer.mlp.{gate,up}_proj.weight       [F, D];  midlayer.mlp.down_proj.weight [D, F]
         norm.weight                              [D]     (ours: final_norm)
         lm_head.weight                           [Vd, D]
-        d2t                                      [Vd] int64;  t2d [V] bool
-        fc_norm.weight                           [3, D]  EAGLE-3.1 heads only ("fc_norm": true
-                                                 in config.json; "norm_output": true likewise
-                                                 marks the normed recurrent feature)
+        d2t                                      [Vd] int64;  t2d [V] bool  (speculators omits
+                                                 both for a full draft vocabulary)
+        fc_norm.{0,1,2}.weight                   [D]     EAGLE-3.1 heads only
 
-Reading also accepts ``pytorch_model.bin`` (through torch, when installed) and the vLLM
-``speculators`` layout: the Llama fields nested under ``transformer_layer_config``, the layer
-named ``layers.0.`` instead of ``midlayer.``. ``norm_before_residual: true`` heads (hidden_norm
-applied before the residual) compute a different function and are refused by name.
+A flag means what its own layout says: ``norm_output`` is vLLM's normed recurrent feature in a
+speculators config and SpecForge's final norm (true = the standard head) in a flat one. A head
+a layout cannot describe is not exported to it, and a config or tensor eagle3_jax would compute
+differently is refused with its name, never dropped (``draft_config_from_json``,
+``load_draft_head``). Reading also accepts ``pytorch_model.bin`` (through torch, when
+installed), the ``model.`` name prefix and our earlier ``fc_norm.weight`` [3, D].
 
 The safetensors file is written and parsed here (8-byte header length, JSON header, raw bytes)
 so that bfloat16 round-trips through ``ml_dtypes`` without torch.
@@ -42,13 +51,17 @@ from eagle3_jax.checkpoints import safetensors_io
 from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.draft.params import DraftHead, VocabMap, draft_param_specs
 from eagle3_jax.errors import Eagle3Error
-from eagle3_jax.model.config import ConfigError, TargetConfig
+from eagle3_jax.model.config import ConfigError, RopeScaling, TargetConfig, rope_scaling_from_hf
 from eagle3_jax.model.params import Params
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TORCH_WEIGHTS_FILE = "pytorch_model.bin"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+SPECULATORS_VERSION = "0.3.0"
+# Tensors a head may carry that eagle3_jax reads around: the target's own embedding is used
+# (as SGLang and vLLM do), so a stored copy is not needed.
+IGNORED_TENSORS = frozenset({"embed_tokens.weight"})
 
 class DraftExportError(Eagle3Error, ValueError):
     """A head folder that cannot be written or read; the message names the file and the fix."""
@@ -61,9 +74,7 @@ class DraftExportError(Eagle3Error, ValueError):
 def _tables(cfg: DraftConfig):
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     t = lambda x: np.ascontiguousarray(np.asarray(x).T)
-    extra = {"fc_norm": ("fc_norm.weight", np.asarray, np.asarray)} if cfg.fc_norm else {}
     return {
-        **extra,
         "fc": ("fc.weight", t, t),
         "attn_norm": ("midlayer.input_layernorm.weight", np.asarray, np.asarray),
         "hidden_norm": ("midlayer.hidden_norm.weight", np.asarray, np.asarray),
@@ -87,11 +98,14 @@ def _tables(cfg: DraftConfig):
 
 
 def released_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
-    """Released tensor name -> expected PyTorch shape, for every trained tensor."""
+    """Released tensor name -> expected PyTorch shape, for every trained tensor (the per-tap
+    ``fc_norm.{i}.weight`` of EAGLE-3.1 heads included)."""
     specs = draft_param_specs(cfg)
     shapes = {}
     for ours, (name, to_torch, _) in _tables(cfg).items():
         shapes[name] = to_torch(np.zeros(specs[ours].shape, np.int8)).shape
+    if cfg.fc_norm:
+        shapes.update({f"fc_norm.{i}.weight": (cfg.hidden_size,) for i in range(cfg.num_taps)})
     return shapes
 
 
@@ -134,10 +148,15 @@ def _read_torch_bin(path: Path) -> dict[str, np.ndarray]:
 # Export.
 
 
-def head_config_json(head_cfg: DraftConfig, torch_dtype: str) -> dict[str, Any]:
-    """The released ``config.json`` for ``head_cfg`` (a one-layer Llama config)."""
+FORMATS = ("sglang", "reference", "speculators")
+
+
+def head_config_json(head_cfg: DraftConfig, torch_dtype: str, *,
+                     architecture: str = ARCHITECTURE) -> dict[str, Any]:
+    """The flat ``config.json`` of the SGLang / SpecForge and reference layouts for
+    ``head_cfg``: a one-layer Llama config."""
     return {
-        "architectures": [ARCHITECTURE],
+        "architectures": [architecture],
         "model_type": "llama",
         "hidden_size": head_cfg.hidden_size,
         "intermediate_size": head_cfg.intermediate_size,
@@ -149,6 +168,9 @@ def head_config_json(head_cfg: DraftConfig, torch_dtype: str) -> dict[str, Any]:
         "draft_vocab_size": head_cfg.draft_vocab_size,
         "rms_norm_eps": head_cfg.rms_norm_eps,
         "rope_theta": head_cfg.rope_theta,
+        **({"rope_scaling": rope_scaling_to_hf(head_cfg.rope_scaling,
+                                               legacy=architecture == "LlamaForCausalLM")}
+           if head_cfg.rope_scaling is not None else {}),
         "max_position_embeddings": head_cfg.max_position_embeddings,
         "tie_word_embeddings": False,
         "hidden_act": "silu",
@@ -156,31 +178,123 @@ def head_config_json(head_cfg: DraftConfig, torch_dtype: str) -> dict[str, Any]:
         "mlp_bias": False,
         "torch_dtype": torch_dtype,
         "eagle_aux_hidden_state_layer_ids": list(head_cfg.tap_layers),
-        # EAGLE-3.1 flags (absent = False: an EAGLE-3 head); fc_norm.weight [3, D] with fc_norm.
-        **{k: True for k in ("fc_norm", "norm_output") if getattr(head_cfg, k)},
+        # SpecForge's EAGLE-3.1 flag (per-tap fc_norm.{i}.weight); absent = an EAGLE-3 head.
+        **({"fc_norm": True} if head_cfg.fc_norm else {}),
     }
 
 
-def export_draft_head(head: DraftHead, out_dir: str | Path, *, dtype: str | None = None) -> Path:
+def speculators_config_json(head_cfg: DraftConfig, torch_dtype: str,
+                            verifier: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM ``speculators`` eagle3 ``config.json``: the layer's Llama config nested under
+    ``transformer_layer_config``, the EAGLE-3 fields at the top, every flag written."""
+    layer = head_config_json(head_cfg, torch_dtype, architecture="LlamaForCausalLM")
+    for key in ("architectures", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
+                "fc_norm"):
+        layer.pop(key, None)
+    verifier = dict(verifier or {})
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier.get("name_or_path"),
+                         "architectures": list(verifier.get("architectures") or [])},
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": head_cfg.draft_vocab_size,
+        "target_hidden_size": head_cfg.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(head_cfg.tap_layers),
+        # speculators defaults it to false and vLLM to true when absent: always written.
+        "norm_before_residual": head_cfg.norm_before_residual,
+        "norm_before_fc": False,
+        "fc_norm": head_cfg.fc_norm,
+        "norm_output": head_cfg.norm_output,
+        "embed_requires_grad": False,
+        "torch_dtype": torch_dtype,
+    }
+
+
+def rope_scaling_to_hf(scaling: RopeScaling, *, legacy: bool = False) -> dict[str, Any]:
+    """A RopeScaling as HF's ``rope_scaling`` dict (what ``rope_scaling_from_hf`` reads);
+    ``legacy``: the old two-key ``{"type", "factor"}`` form the reference code requires."""
+    if scaling.kind == "linear":
+        return {"type" if legacy else "rope_type": "linear", "factor": scaling.factor}
+    return {"rope_type": "llama3", "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings}
+
+
+def _inexpressible(cfg: DraftConfig, fmt: str) -> list[str]:
+    """What of ``cfg`` the layout ``fmt`` cannot say (so that a reader would compute another
+    function): exporting such a head there is refused."""
+    problems = []
+    if fmt in ("sglang", "reference"):
+        if cfg.norm_output:
+            problems.append("norm_output (the normed output fed back; SpecForge's norm_output "
+                            "means something else)")
+        if cfg.norm_before_residual:
+            problems.append("norm_before_residual")
+    if fmt == "reference":
+        if cfg.fc_norm:
+            problems.append("fc_norm (EAGLE-3.1 per-tap norms)")
+        if cfg.rope_scaling is not None and cfg.rope_scaling.kind != "linear":
+            problems.append(f"{cfg.rope_scaling.kind} RoPE scaling (the reference reads linear "
+                            "and dynamic only)")
+    return problems
+
+
+def export_draft_head(head: DraftHead, out_dir: str | Path, *, dtype: str | None = None,
+                      format: str = "sglang",
+                      verifier: Mapping[str, Any] | None = None) -> Path:
     """Write ``head`` as ``out_dir/{config.json, model.safetensors}``; returns ``out_dir``.
 
+    ``format``: "sglang" (SGLang / SpecForge: ``LlamaForCausalLMEagle3``, ``midlayer.*``; the
+    default, read by SGLang, vLLM and eagle3_jax), "reference" (SafeAILab/EAGLE:
+    ``LlamaForCausalLM``; it loads ``model.safetensors`` when there is no
+    ``pytorch_model.bin``), or "speculators" (vLLM's: ``layers.0.*``, the nested config).
+    A head a format cannot describe is refused (``_inexpressible``). ``verifier``: the
+    speculators config's ``{"name_or_path", "architectures"}`` of the target.
     ``dtype`` ("float32", "bfloat16", "float16") casts the weights; default the head's dtype.
     """
     cfg = head.cfg
     dtype = dtype or cfg.dtype
     if dtype not in ("float32", "bfloat16", "float16"):
         raise DraftExportError(f"export dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if format not in FORMATS:
+        raise DraftExportError(f"export format must be one of {', '.join(FORMATS)}, got "
+                               f"{format!r}")
+    problems = _inexpressible(cfg, format)
+    if problems:
+        raise DraftExportError(f"the {format} layout cannot describe this head's "
+                               f"{'; '.join(problems)}; export it with --format speculators")
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    prefix = "layers.0." if format == "speculators" else "midlayer."
     tensors = {}
     for ours, (name, to_torch, _) in _tables(cfg).items():
         value = np.asarray(jnp.asarray(head.params[ours], jnp.float32))
-        tensors[name] = to_torch(value).astype(np_dtype)
-    tensors["d2t"] = np.asarray(head.vocab.d2t).astype(np.int64)
-    tensors["t2d"] = np.asarray(head.vocab.t2d).astype(bool)
+        tensors[name.replace("midlayer.", prefix)] = to_torch(value).astype(np_dtype)
+    if cfg.fc_norm:  # one [D] scale per tap, as SpecForge and speculators name them
+        scales = np.asarray(jnp.asarray(head.params["fc_norm"], jnp.float32))
+        tensors.update({f"fc_norm.{i}.weight": scales[i].astype(np_dtype)
+                        for i in range(cfg.num_taps)})
+    full = cfg.draft_vocab_size == cfg.vocab_size
+    if not (full and format == "speculators"):  # speculators omits the maps of a full vocab
+        tensors["d2t"] = np.asarray(head.vocab.d2t).astype(np.int64)
+        tensors["t2d"] = np.asarray(head.vocab.t2d).astype(bool)
     write_safetensors(out / WEIGHTS_FILE, tensors)
-    (out / CONFIG_FILE).write_text(json.dumps(head_config_json(cfg, dtype), indent=2) + "\n")
+    if format == "speculators":
+        config = speculators_config_json(cfg, dtype, verifier)
+    else:
+        config = head_config_json(cfg, dtype, architecture=(
+            ARCHITECTURE if format == "sglang" else "LlamaForCausalLM"))
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
@@ -188,13 +302,47 @@ def export_draft_head(head: DraftHead, out_dir: str | Path, *, dtype: str | None
 # Load.
 
 
+def is_speculators_config(hf: Mapping[str, Any]) -> bool:
+    """Whether a head's config.json is vLLM's speculators layout (else flat: SGLang /
+    SpecForge, the reference, or ours)."""
+    return "speculators_model_type" in hf or "transformer_layer_config" in hf
+
+
 def draft_config_from_json(hf: Mapping[str, Any], target_cfg: TargetConfig | None = None,
                            dtype: str = "float32", source: str = CONFIG_FILE) -> DraftConfig:
-    """DraftConfig from a released (or speculators) ``config.json`` dict."""
+    """DraftConfig from a head's ``config.json`` dict in any of the ``FORMATS``.
+
+    Flags are read with their own layout's meaning and refused where eagle3_jax would compute
+    another function: a speculators config must say ``norm_before_residual`` (speculators
+    defaults it to false, vLLM to true), ``norm_before_fc`` heads are refused; in a flat config
+    ``norm_output: false`` (SpecForge: no final norm before ``lm_head``) is refused, and true is
+    the standard head. RoPE scaling (``rope_scaling`` or transformers 5's ``rope_parameters``)
+    is applied, or refused by kind.
+    """
+    speculators = is_speculators_config(hf)
     layer = dict(hf.get("transformer_layer_config") or hf)
-    if hf.get("norm_before_residual"):
-        raise DraftExportError(f"{source}: norm_before_residual heads are not supported (their "
-                               "hidden_norm sits before the residual); use a standard EAGLE-3 head")
+    if speculators:
+        kind = hf.get("speculators_model_type", "eagle3")
+        if kind != "eagle3":
+            raise DraftExportError(f"{source}: speculators_model_type {kind!r} is not an "
+                                   "EAGLE-3 head (eagle3)")
+        if "norm_before_residual" not in hf:
+            raise DraftExportError(
+                f"{source} does not say norm_before_residual, which speculators reads as false "
+                "and vLLM as true; add \"norm_before_residual\": true or false to it")
+        if hf.get("norm_before_fc"):
+            raise DraftExportError(f"{source}: norm_before_fc heads (one norm over the three "
+                                   "taps together) are not supported; use fc_norm or none")
+        norm_output = bool(hf.get("norm_output", False))
+    else:
+        if hf.get("norm_output") is False:
+            raise DraftExportError(f"{source}: norm_output false (SpecForge: no final norm before "
+                                   "lm_head) is not supported")
+        norm_output = False  # SpecForge's norm_output: true is the standard head
+    rope = layer.get("rope_parameters") or {}
+    scaling = layer.get("rope_scaling")
+    if rope and rope.get("rope_type", "default") != "default":
+        scaling = rope
     try:
         hidden = int(layer["hidden_size"])
         heads = int(layer["num_attention_heads"])
@@ -204,7 +352,8 @@ def draft_config_from_json(hf: Mapping[str, Any], target_cfg: TargetConfig | Non
         if target_hidden is not None and int(target_hidden) != hidden:
             raise DraftExportError(f"{source}: target_hidden_size {target_hidden} != hidden_size "
                                    f"{hidden}; heads narrower than their target are not supported")
-        taps = hf.get("eagle_aux_hidden_state_layer_ids")
+        taps = (hf.get("eagle_aux_hidden_state_layer_ids")
+                or (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
         if taps is None:
             if target_cfg is None:
                 raise DraftExportError(f"{source} has no eagle_aux_hidden_state_layer_ids; pass "
@@ -221,11 +370,13 @@ def draft_config_from_json(hf: Mapping[str, Any], target_cfg: TargetConfig | Non
                                  or vocab),
             tap_layers=tuple(taps),
             rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(layer.get("rope_theta") or 10000.0),
+            rope_theta=float(rope.get("rope_theta") or layer.get("rope_theta") or 10000.0),
             max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
             dtype=dtype,
             fc_norm=bool(hf.get("fc_norm", False)),
-            norm_output=bool(hf.get("norm_output", False)),
+            norm_output=norm_output,
+            norm_before_residual=bool(hf.get("norm_before_residual", False)),
+            rope_scaling=rope_scaling_from_hf(scaling),
         )
     except KeyError as e:
         raise DraftExportError(f"{source} is missing the key {e.args[0]!r}") from None
@@ -273,8 +424,15 @@ def load_draft_head(path: str | Path, target_cfg: TargetConfig | None = None, *,
         raise DraftExportError(f"{folder} has no {WEIGHTS_FILE} (or {TORCH_WEIGHTS_FILE}); "
                                "re-export the head")
     tensors = {_canonical_name(k): v for k, v in tensors.items()}
+    if cfg.fc_norm and "fc_norm.weight" in tensors:  # our earlier [3, D] form
+        stacked = tensors.pop("fc_norm.weight")
+        tensors.update({f"fc_norm.{i}.weight": stacked[i] for i in range(len(stacked))})
 
     expected = released_shapes(cfg)
+    unknown = sorted(set(tensors) - set(expected) - IGNORED_TENSORS - {"d2t", "t2d"})
+    if unknown:
+        raise DraftExportError(f"{weights_path} holds tensors this layout does not have: "
+                               f"{unknown}; it is not a head eagle3_jax can run as written")
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise DraftExportError(f"{weights_path} lacks tensors {missing}; is it an EAGLE-3 head?")
@@ -288,6 +446,10 @@ def load_draft_head(path: str | Path, target_cfg: TargetConfig | None = None, *,
     for ours, (name, _, from_torch) in _tables(cfg).items():
         value = np.asarray(tensors[name], np.float32)
         params[ours] = jnp.asarray(from_torch(value), jdtype)
+    if cfg.fc_norm:
+        params["fc_norm"] = jnp.asarray(np.stack([np.asarray(tensors[f"fc_norm.{i}.weight"],
+                                                             np.float32)
+                                                  for i in range(cfg.num_taps)]), jdtype)
     return DraftHead(params=params, vocab=_vocab(tensors, cfg, weights_path), cfg=cfg)
 
 

@@ -50,7 +50,7 @@ def project_qkv(params: Params, cfg: DraftConfig, embeds: jax.Array, g: jax.Arra
     """q [B, T, N, H], k, v [B, T, K, H] from the embedding and feature, rotated at positions."""
     x = jnp.concatenate([rms_norm(embeds.astype(g.dtype), params["attn_norm"], cfg.rms_norm_eps),
                          rms_norm(g, params["hidden_norm"], cfg.rms_norm_eps)], axis=-1)
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None)
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     b, t, e = x.shape
 
     def project(w):  # [E, heads, H] as an [in, out] matrix
@@ -62,8 +62,11 @@ def project_qkv(params: Params, cfg: DraftConfig, embeds: jax.Array, g: jax.Arra
 
 
 def finish_layer(params: Params, cfg: DraftConfig, g: jax.Array, attn: jax.Array) -> jax.Array:
-    """Residual around attention output [B, T, N, H], then the SwiGLU block -> h [B, T, D]."""
+    """Residual around attention output [B, T, N, H], then the SwiGLU block -> h [B, T, D].
+    The residual is the feature g, or ``hidden_norm(g)`` with ``cfg.norm_before_residual``."""
     b, t, n, hd = attn.shape
+    if cfg.norm_before_residual:
+        g = rms_norm(g, params["hidden_norm"], cfg.rms_norm_eps)
     h = g + rows_matmul(attn.reshape(b, t, n * hd), params["wo"].reshape(n * hd, -1), in_out=True)
     x = rms_norm(h, params["mlp_norm"], cfg.rms_norm_eps)
     return h + swiglu(x, params["w_gate"], params["w_up"], params["w_down"])

@@ -161,7 +161,7 @@ class TargetConfig:
                 head_dim=int(hf.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
                 rope_theta=float(theta),
-                rope_scaling=_rope_scaling_from_hf(scaling_dict),
+                rope_scaling=rope_scaling_from_hf(scaling_dict),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
@@ -172,7 +172,7 @@ class TargetConfig:
             raise ConfigError(f"config.json is missing the key {e.args[0]!r}") from None
 
 
-def _rope_scaling_from_hf(scaling: Mapping[str, Any] | None) -> RopeScaling | None:
+def rope_scaling_from_hf(scaling: Mapping[str, Any] | None) -> RopeScaling | None:
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
