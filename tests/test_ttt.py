@@ -2,6 +2,8 @@
 logits in training equal what the same draft computes at inference, step by step over a KV
 cache, for a node at depth i whose ancestors are the teacher-forced tokens."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -295,3 +297,45 @@ def test_head_cross_entropy_equals_autodiff_of_its_definition():
     want = jax.grad(lambda x, w: 0.37 * definition(x, w), (0, 1))(x, w)
     for g, r in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_mask", ["predicted", "reference"])
+@pytest.mark.parametrize("eagle31", [False, True])
+def test_loss_and_gradients_match_an_independent_pytorch_reference(tmp_path, loss_mask, eagle31):
+    """The TTT loss and every gradient against ``tests/torch_eagle3_reference.ttt_loss``, written
+    in PyTorch from the definition and reading the head as exported (vLLM's layout, which
+    carries EAGLE-3.1's flags); the gradients are exported the same way, so names line up."""
+    import torch
+    from safetensors.torch import load_file
+    from torch_eagle3_reference import Eagle3Reference, ttt_loss
+
+    from eagle3_jax.draft.export import export_draft_head
+    from eagle3_jax.draft.params import DraftHead, VocabMap
+
+    cfg, params, embed, batch = _setup(steps=3, eagle31=eagle31)
+    if eagle31:
+        params = {**params, "fc_norm": params["fc_norm"] * jnp.array([[0.5], [1.0], [2.0]])}
+    vocab = VocabMap.from_used_ids(np.arange(VD), V)
+    fn = lambda p: ttt_forward(p, cfg, embed, batch, loss_mask=loss_mask)[0]  # noqa: E731
+    loss, grads = jax.value_and_grad(fn)(params)
+
+    export_draft_head(DraftHead(params=params, vocab=vocab, cfg=cfg), tmp_path / "head",
+                      format="speculators")
+    export_draft_head(DraftHead(params=grads, vocab=vocab, cfg=cfg), tmp_path / "grad",
+                      format="speculators")
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    leaves = {k: v.to(torch.float64).requires_grad_() for k, v in
+              load_file(str(tmp_path / "head" / "model.safetensors")).items()
+              if v.is_floating_point()}
+    ref = Eagle3Reference(leaves, config)
+    t = lambda x: torch.from_numpy(np.array(x))  # noqa: E731
+    ref_loss = ttt_loss(ref, t(embed), t(batch.tokens).long(), t(batch.taps),
+                        t(batch.target_logp), t(batch.target_in_draft), t(batch.loss_mask),
+                        t(batch.segment_ids), t(batch.positions), cfg.ttt_steps,
+                        mask_offset={"predicted": 2, "reference": 0}[loss_mask])
+    ref_loss.backward()
+    assert float(loss) == pytest.approx(ref_loss.item(), rel=1e-5)
+    want = load_file(str(tmp_path / "grad" / "model.safetensors"))
+    for name, leaf in leaves.items():
+        np.testing.assert_allclose(want[name].numpy(), leaf.grad.numpy(), rtol=2e-4, atol=2e-6,
+                                   err_msg=name)

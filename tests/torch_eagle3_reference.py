@@ -122,3 +122,81 @@ class Eagle3Reference:
         normed = _rms(h, w["norm.weight"], self.eps)
         logits = normed @ w["lm_head.weight"].T
         return logits, (normed if self.norm_output else h)
+
+
+def ttt_loss(head: Eagle3Reference, embed: torch.Tensor, tokens: torch.Tensor,
+             taps: torch.Tensor, target_logp: torch.Tensor, target_in_draft: torch.Tensor,
+             loss_mask: torch.Tensor, segment_ids: torch.Tensor, positions: torch.Tensor,
+             steps: int, mask_offset: int = 2, decay: float = 0.8) -> torch.Tensor:
+    """Training-time test (EAGLE-3 §4) from its definition, over one packed batch [B, T].
+
+    At step i the query at index t reads token x_{t+1+i} at position t + i with the feature
+    fc(f_t) (i = 0) or its own step i-1 output at t, and attends to the step-0 keys of indices
+    s <= t of its document plus its own keys of steps 1..i (a depth-i tree node's context and
+    ancestors). It is scored against the target's distribution at t+1+i (the prediction of
+    x_{t+2+i}), weighed by the loss mask at t + mask_offset + i (2: the predicted token; 0: the
+    reference code's reading), the target's top token being in the draft vocabulary, and both
+    indices in t's document. Loss = sum_i decay**i * (weighted mean cross-entropy at step i).
+    """
+    w, m = head.w, "midlayer."
+    b, t = tokens.shape
+    eps = head.eps
+
+    def shifted(x, by, fill):
+        out = torch.full_like(x, fill)
+        if by < t:
+            out[:, : t - by] = x[:, by:]
+        return out
+
+    g = head.fuse(taps)
+    seg = segment_ids
+    idx = torch.arange(t)
+    causal = (idx[None, :, None] >= idx[None, None, :]) & (seg[:, :, None] == seg[:, None, :])
+    causal &= (seg > 0)[:, :, None]  # [B, T, S]
+    group = head.heads // head.kv_heads
+    keys0 = values0 = None
+    diag_k, diag_v = [], []
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(steps):
+        e = embed[shifted(tokens, i + 1, 0)].to(torch.float64)
+        normed_g = _rms(g, w[m + "hidden_norm.weight"], eps)
+        x = torch.cat([_rms(e, w[m + "input_layernorm.weight"], eps), normed_g], -1)
+        q = (x @ w[m + "self_attn.q_proj.weight"].T).reshape(b, t, head.heads, head.head_dim)
+        k = (x @ w[m + "self_attn.k_proj.weight"].T).reshape(b, t, head.kv_heads, head.head_dim)
+        v = (x @ w[m + "self_attn.v_proj.weight"].T).reshape(b, t, head.kv_heads, head.head_dim)
+        q = _rotate(q, positions + i, head.inv_freq)
+        k = _rotate(k, positions + i, head.inv_freq)
+        if i == 0:
+            keys0, values0 = k, v
+        else:
+            diag_k.append(k)
+            diag_v.append(v)
+        kc = keys0.repeat_interleave(group, 2)
+        vc = values0.repeat_interleave(group, 2)
+        scores = torch.einsum("bthd,bshd->bhts", q, kc) / math.sqrt(head.head_dim)
+        scores = scores.masked_fill(~causal[:, None], -1e30)
+        parts = [scores]
+        for dk in diag_k:  # its own keys of steps 1..i, at its own index
+            parts.append(torch.einsum("bthd,bthd->bht", q, dk.repeat_interleave(group, 2))[
+                ..., None] / math.sqrt(head.head_dim))
+        probs = torch.cat(parts, -1).softmax(-1)
+        attn = torch.einsum("bhts,bshd->bthd", probs[..., :t], vc)
+        for j, dv in enumerate(diag_v):
+            attn = attn + probs[..., t + j].permute(0, 2, 1)[..., None] * dv.repeat_interleave(
+                group, 2)
+        residual = normed_g if head.norm_before_residual else g
+        h = residual + attn.reshape(b, t, -1) @ w[m + "self_attn.o_proj.weight"].T
+        y = _rms(h, w[m + "post_attention_layernorm.weight"], eps)
+        h = h + (torch.nn.functional.silu(y @ w[m + "mlp.gate_proj.weight"].T)
+                 * (y @ w[m + "mlp.up_proj.weight"].T)) @ w[m + "mlp.down_proj.weight"].T
+        normed = _rms(h, w["norm.weight"], eps)
+        logq = (normed @ w["lm_head.weight"].T).log_softmax(-1)
+        label = shifted(target_logp.to(torch.float64), i + 1, 0.0).exp()
+        later = i + max(1, mask_offset)
+        weight = (shifted(loss_mask, i + mask_offset, False)
+                  & shifted(target_in_draft, i + 1, False)
+                  & (shifted(seg, later, 0) == seg) & (seg > 0)).to(torch.float64)
+        per_pos = -(label * logq).sum(-1)
+        total = total + decay ** i * (per_pos * weight).sum() / weight.sum().clamp(min=1.0)
+        g = normed if head.norm_output else h
+    return total
