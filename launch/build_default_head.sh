@@ -15,13 +15,13 @@
 #                  card, into eagle3_jax/heads/smollm2-135m/
 #
 # Environment: PY (default .venv/bin/python), WORK (default data/default-head), CONVERSATIONS
-# (conversations answered, default 3300; those whose prompt exceeds 192 tokens are skipped), STEPS (default: the config's total_steps),
+# (conversations answered, default 3964; those whose prompt exceeds 192 tokens are skipped), STEPS (default: the config's total_steps),
 # BENCH_PROMPTS (default 10), BENCH_TOKENS (default 128), SKIP_BENCH=1 (export without results).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 WORK=${WORK:-data/default-head}
-CONVERSATIONS=${CONVERSATIONS:-3300}
+CONVERSATIONS=${CONVERSATIONS:-3964}
 BENCH_PROMPTS=${BENCH_PROMPTS:-10}
 BENCH_TOKENS=${BENCH_TOKENS:-128}
 RUN=${RUN:-runs/smollm2-135m-eagle3}
@@ -79,8 +79,14 @@ info = {
              f"{counts[used].sum() / max(counts.sum(), 1):.2%} of them"],
     "hardware": f"{platform.machine()} CPU, {__import__('os').cpu_count()} cores, JAX on CPU, float32",
     "training": ["configs/train-smollm2-135m.yaml (online: the frozen target runs inside "
-                 "every step); per-depth curves in the run's accuracy.png"],
-    "command": "make head   # = launch/build_default_head.sh; re-run to resume",
+                 "every step); per-depth curves in the run's accuracy.png",
+                 "the shipped head, over three sessions: steps 1-520 with total_steps=520 (cosine "
+                 "to lr 1e-4), 521-600 resumed with total_steps=1200 (lr back up to 6.5e-4), "
+                 "601-900 with total_steps=900 (3.3e-4 decaying to 1e-4)"],
+    "command": "SKIP_BENCH=1 STEPS=520 make head && .venv/bin/python -m eagle3_jax.train "
+               "--config train-smollm2-135m out_dir=runs/smollm2-135m-eagle3 total_steps=1200 "
+               "--max-steps 600 && STEPS=900 make head   # make head = "
+               "launch/build_default_head.sh; every step resumes",
 }
 json.dump(info, open(f"{work}/build_info.json", "w"), indent=1)
 EOF

@@ -84,10 +84,13 @@ class CostModel:
 
 # EAGLE is chosen only where the model predicts at least this speed-up. The model leaves out
 # the round's own work (building the tree, acceptance, cache compaction) and takes the head's
-# acceptance from its held-out set: on MT-bench with the shipped SmolLM2 head it predicted 1.17x
-# (tau 1.54, 19.7 ms per round) where `bench speed` measured 0.91x (tau 1.38, 23.4 ms per
-# round); 1.3 keeps the default from ever choosing a tree slower than plain decoding there.
-MIN_PREDICTED_SPEEDUP = 1.3
+# acceptance from its held-out set (regenerated ShareGPT), higher than on the benchmark sets.
+# Predicted -> measured on MT-bench (`bench speed --total-tokens auto`, shipped SmolLM2 heads):
+# 1.17 -> 0.91x, 1.16 -> 0.80x, 1.30 -> 0.97x (the 900-step head: a 1-token chain, modelled
+# tau 1.42, measured 1.27): the model is 1.29-1.45x optimistic, so 1.5 keeps the default from
+# choosing a tree slower than plain decoding. Modelling the round's own cost and the head's
+# acceptance on the user's kind of prompts would let this come down.
+MIN_PREDICTED_SPEEDUP = 1.5
 
 
 @dataclasses.dataclass(frozen=True)
