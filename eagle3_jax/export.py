@@ -101,11 +101,11 @@ def _verifier(name: str | None, run_dir) -> dict:
         target = (yaml.safe_load(config.read_text()) or {}).get("target")
     architectures = []
     if target:
-        try:
-            from eagle3_jax.presets import load_preset
+        from eagle3_jax.presets import PresetError, load_preset
 
+        try:
             architectures = [HF_ARCHITECTURES[load_preset(str(target)).target.arch]]
-        except Exception:  # a path or an HF folder, not a preset: leave it unnamed
+        except PresetError:  # a path or an HF folder, not a preset: leave it unnamed
             architectures = []
     return {"name_or_path": name or target, "architectures": architectures}
 

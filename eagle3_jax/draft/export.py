@@ -151,10 +151,11 @@ def _read_torch_bin(path: Path) -> dict[str, np.ndarray]:
 FORMATS = ("sglang", "reference", "speculators")
 
 
-def head_config_json(head_cfg: DraftConfig, torch_dtype: str, *,
-                     architecture: str = ARCHITECTURE) -> dict[str, Any]:
+def head_config_json(head_cfg: DraftConfig, torch_dtype: str, *, architecture: str = ARCHITECTURE,
+                     legacy_rope: bool = False) -> dict[str, Any]:
     """The flat ``config.json`` of the SGLang / SpecForge and reference layouts for
-    ``head_cfg``: a one-layer Llama config."""
+    ``head_cfg``: a one-layer Llama config (``legacy_rope``: RoPE scaling in the reference
+    code's two-key form)."""
     return {
         "architectures": [architecture],
         "model_type": "llama",
@@ -168,8 +169,7 @@ def head_config_json(head_cfg: DraftConfig, torch_dtype: str, *,
         "draft_vocab_size": head_cfg.draft_vocab_size,
         "rms_norm_eps": head_cfg.rms_norm_eps,
         "rope_theta": head_cfg.rope_theta,
-        **({"rope_scaling": rope_scaling_to_hf(head_cfg.rope_scaling,
-                                               legacy=architecture == "LlamaForCausalLM")}
+        **({"rope_scaling": rope_scaling_to_hf(head_cfg.rope_scaling, legacy=legacy_rope)}
            if head_cfg.rope_scaling is not None else {}),
         "max_position_embeddings": head_cfg.max_position_embeddings,
         "tie_word_embeddings": False,
@@ -292,8 +292,9 @@ def export_draft_head(head: DraftHead, out_dir: str | Path, *, dtype: str | None
     if format == "speculators":
         config = speculators_config_json(cfg, dtype, verifier)
     else:
-        config = head_config_json(cfg, dtype, architecture=(
-            ARCHITECTURE if format == "sglang" else "LlamaForCausalLM"))
+        reference = format == "reference"
+        config = head_config_json(cfg, dtype, legacy_rope=reference,
+                                  architecture="LlamaForCausalLM" if reference else ARCHITECTURE)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out
 

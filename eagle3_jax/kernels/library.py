@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 # "0" turns the kernels off (XLA ops everywhere); a comma list of FAMILIES keeps only those.
 ENV_SWITCH = "EAGLE3_JAX_CPU_KERNEL"
@@ -101,8 +102,6 @@ def kernel_available() -> bool:
 def kernels_in_use(dtype, family: str) -> bool:
     """Whether code of ``dtype`` traced now on CPU may use ``family``'s kernel (each caller adds
     its own shape limits): float32, its switch on, the CPU backend, the library available."""
-    import jax.numpy as jnp
-
     return (jnp.dtype(dtype) == jnp.float32 and kernels_enabled(family)
             and jax.default_backend() == "cpu" and kernel_available())
 

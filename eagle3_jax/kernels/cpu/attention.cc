@@ -14,16 +14,15 @@
 //
 // Why: XLA CPU runs this as ~12 small ops a layer (RoPE of q and k, two score einsums, masks, a
 // softmax over their concatenation, two value einsums, transposes of q, k, v and the output);
-// at T = 8 those
-// cost a SmolLM2 forward about as much as its matmuls' extra rows (issue 11). Here one call
-// does it all, reading each (b, kv head)'s cache from L2 for 4 query rows at a time, and only
-// up to the last slot any of those rows sees (a cache allocated for 2048 tokens holding 256
-// costs 256).
+// at T = 8 those cost a SmolLM2 forward about as much as its matmuls' extra rows (issue 11).
+// Here one call does it all, reading each (b, kv head)'s cache from L2 for up to 8 query rows
+// at a time, and only up to the last slot any of those rows sees (a cache allocated for 2048
+// tokens holding 256 costs 256).
 //
-// How: the new keys are rotated first; then tasks (b, kv head, block of 8 query rows) run on
-// XLA's pool (parallel.h), each rotating its queries. Scores are a broadcast-FMA over 32 slots
-// at a time (the key cache is [H, S], slots contiguous), the
-// softmax uses a vectorized exp (Cephes' polynomial, ~1 ulp), and the weighted sum of values a
+// How: the new keys are rotated first; then tasks (b, kv head, block of 8 query rows, or 4
+// where a kv head has no more: a decode step's group) run on XLA's pool (parallel.h), each
+// rotating its queries. Scores are a broadcast-FMA over 32 slots at a time (the key cache is
+// [H, S], slots contiguous), the softmax uses a vectorized exp (Cephes' polynomial, ~1 ulp), and the weighted sum of values a
 // broadcast-FMA over the head dimension. Written once with GCC vector extensions and compiled
 // for AVX-512, AVX2/FMA and plain x86-64 (target_clones picks one at load time).
 
@@ -44,8 +43,8 @@ typedef float vf __attribute__((vector_size(64)));
 typedef float vf_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t vi __attribute__((vector_size(64)));
 constexpr int kLanes = 16;
-constexpr int kRows = 8;  // query rows per task
-constexpr int kHalf = kRows / 2;  // rows per pass of the weighted sum (4 x H accumulators)
+constexpr int kMaxRows = 8;  // query rows per task (4 where a kv head has at most 4)
+constexpr int kPassRows = 4;  // rows per pass of the weighted sum (4 x H accumulators)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #define EAGLE3_INLINE __attribute__((always_inline)) inline
@@ -91,7 +90,10 @@ struct Problem {
   float *out, *k_rot;
   int64_t batch, tokens, heads, kv_heads, head_dim, slots;
   int64_t group() const { return heads / kv_heads; }
-  int64_t row_blocks() const { return (tokens * group() + kRows - 1) / kRows; }
+  // Query rows per (b, kv head), and per task: padded rows would be scored for nothing.
+  int64_t rows() const { return tokens * group(); }
+  int64_t task_rows() const { return rows() <= kPassRows ? kPassRows : kMaxRows; }
+  int64_t row_blocks() const { return (rows() + task_rows() - 1) / task_rows(); }
 };
 
 // 1 + the last slot among [0, slots) that mask row `m` marks, or 0.
@@ -111,8 +113,9 @@ EAGLE3_INLINE void Rotate(const float* x, const float* cos, const float* sin, in
   }
 }
 
-// out rows r0..r0+nr of (b, kh): rows are (token t, query head g of the group), r = t*G + g.
-template <int HV>  // head_dim / 16
+// out rows r0..r0+nr of (b, kh): rows are (token t, query head g of the group), r = t*G + g;
+// kRows (4 or 8) rows are computed, those past nr repeating row r0 and not stored.
+template <int HV, int kRows>  // head_dim / 16, rows per task
 EAGLE3_INLINE void AttendRows(const Problem& p, int64_t b, int64_t kh, int64_t r0, int64_t nr,
                               std::vector<float>& scratch) {
   const int64_t T = p.tokens, S = p.slots, G = p.group(), H = HV * kLanes;
@@ -144,7 +147,7 @@ EAGLE3_INLINE void AttendRows(const Problem& p, int64_t b, int64_t kh, int64_t r
   const float* kp = p.k_past + (b * p.kv_heads + kh) * H * S;  // [H, S]
   const float* vp = p.v_past + (b * p.kv_heads + kh) * S * H;  // [S, H]
 
-  // Scores over the past: 4 rows x 32 slots of accumulators, one pass over the head dim.
+  // Scores over the past: kRows rows x 32 slots of accumulators, one pass over the head dim.
   int64_t s0 = 0;
   for (; s0 + 2 * kLanes <= limit; s0 += 2 * kLanes) {
     vf a0[kRows] = {}, a1[kRows] = {};
@@ -205,13 +208,12 @@ EAGLE3_INLINE void AttendRows(const Problem& p, int64_t b, int64_t kh, int64_t r
   }
 
   // Weighted sums of values: 4 rows x H accumulators per pass over the visible slots.
-  for (int half = 0; half < kRows; half += kHalf) {
-    if (half >= nr) break;
-    vf acc[kHalf][HV] = {};
+  for (int half = 0; half < nr; half += kPassRows) {
+    vf acc[kPassRows][HV] = {};
     for (int64_t s = 0; s < limit; ++s) {
       vf vs[HV];
       for (int v = 0; v < HV; ++v) vs[v] = Load(vp + s * H + v * kLanes);
-      for (int r = 0; r < kHalf; ++r) {
+      for (int r = 0; r < kPassRows; ++r) {
         const vf w = Splat(sc[(half + r) * ld + s]);
         for (int v = 0; v < HV; ++v) acc[r][v] += w * vs[v];
       }
@@ -220,33 +222,42 @@ EAGLE3_INLINE void AttendRows(const Problem& p, int64_t b, int64_t kh, int64_t r
       const float* vj = p.v_new + ((b * T + j) * p.kv_heads + kh) * H;
       vf vs[HV];
       for (int v = 0; v < HV; ++v) vs[v] = Load(vj + v * kLanes);
-      for (int r = 0; r < kHalf; ++r) {
+      for (int r = 0; r < kPassRows; ++r) {
         const vf w = Splat(sc[(half + r) * ld + past_pad + j]);
         for (int v = 0; v < HV; ++v) acc[r][v] += w * vs[v];
       }
     }
-    for (int r = half; r < nr && r < half + kHalf; ++r)
+    for (int r = half; r < nr && r < half + kPassRows; ++r)
       for (int v = 0; v < HV; ++v) Store(o[r] + v * kLanes, acc[r - half][v] * inv_sum[r]);
+  }
+}
+
+template <int HV>
+EAGLE3_INLINE void AttendHeadDim(const Problem& p, int64_t b, int64_t kh, int64_t r0,
+                                 int64_t nr, std::vector<float>& scratch) {
+  if (p.task_rows() == kPassRows) {
+    AttendRows<HV, kPassRows>(p, b, kh, r0, nr, scratch);
+  } else {
+    AttendRows<HV, kMaxRows>(p, b, kh, r0, nr, scratch);
   }
 }
 
 __attribute__((target_clones("avx512f", "arch=haswell", "default")))
 void AttendTask(const Problem& p, int64_t task, std::vector<float>& scratch) {
-  const int64_t blocks = p.row_blocks();
+  const int64_t blocks = p.row_blocks(), per_task = p.task_rows();
   const int64_t b = task / (p.kv_heads * blocks);
   const int64_t kh = task / blocks % p.kv_heads;
-  const int64_t r0 = task % blocks * kRows;
-  const int64_t rows = p.tokens * p.group();
-  const int64_t nr = rows - r0 < kRows ? rows - r0 : kRows;
+  const int64_t r0 = task % blocks * per_task;
+  const int64_t nr = p.rows() - r0 < per_task ? p.rows() - r0 : per_task;
   switch (p.head_dim / kLanes) {
-    case 1: AttendRows<1>(p, b, kh, r0, nr, scratch); break;
-    case 2: AttendRows<2>(p, b, kh, r0, nr, scratch); break;
-    case 3: AttendRows<3>(p, b, kh, r0, nr, scratch); break;
-    case 4: AttendRows<4>(p, b, kh, r0, nr, scratch); break;
-    case 5: AttendRows<5>(p, b, kh, r0, nr, scratch); break;
-    case 6: AttendRows<6>(p, b, kh, r0, nr, scratch); break;
-    case 7: AttendRows<7>(p, b, kh, r0, nr, scratch); break;
-    case 8: AttendRows<8>(p, b, kh, r0, nr, scratch); break;
+    case 1: AttendHeadDim<1>(p, b, kh, r0, nr, scratch); break;
+    case 2: AttendHeadDim<2>(p, b, kh, r0, nr, scratch); break;
+    case 3: AttendHeadDim<3>(p, b, kh, r0, nr, scratch); break;
+    case 4: AttendHeadDim<4>(p, b, kh, r0, nr, scratch); break;
+    case 5: AttendHeadDim<5>(p, b, kh, r0, nr, scratch); break;
+    case 6: AttendHeadDim<6>(p, b, kh, r0, nr, scratch); break;
+    case 7: AttendHeadDim<7>(p, b, kh, r0, nr, scratch); break;
+    case 8: AttendHeadDim<8>(p, b, kh, r0, nr, scratch); break;
     default: break;
   }
 }
