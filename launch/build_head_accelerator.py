@@ -1,0 +1,222 @@
+"""Regenerate data and train an EAGLE-3 head on one accelerator inside a fixed time budget.
+
+`launch/build_default_head.sh` (`make head`) builds the shipped head on a CPU over hours; this is
+the same recipe for a lent GPU (or a TPU VM) with minutes: every phase is time-boxed, keeps
+whatever it finished, and the training schedule is sized to the time that is left, so the
+learning rate has decayed when the budget ends.
+
+    python launch/build_head_accelerator.py --target MODEL.gguf --prompts PROMPTS.jsonl \\
+        --out OUT [--regen-dir DIR] [--init-head builtin:smollm2-135m] [--budget-s 540]
+
+Phases:
+  1. regenerate  the first user turn of every prompt conversation, answered greedily by the
+                 target (`data regenerate`: continuous batching over --slots rows, prompts in
+                 order of length, resumable; --regen-dir's finished answers are kept and not
+                 redone), then once more sampled at --sample-temperature, all stopped at
+                 --regen-s; the finished conversations of both are trained on
+  2. tokens      `data vocab --tokens-out` over them (the draft vocabulary is the initial
+                 head's, or built here when there is none)
+  3. train       a calibration run of --calibrate-steps measures the step time; the run then
+                 resumes with total_steps sized to what is left of --budget-s (cosine decay to
+                 the end), checkpointing as it goes
+  4. export      the head in the released layout (bfloat16) with metrics into OUT
+
+Output (OUT): head/{config.json, model.safetensors}, metrics.jsonl, accuracy.png,
+build.json (phase times, conversations, tokens, tokens/s, steps) and regenerated.jsonl.xz (the
+conversations trained on, to continue elsewhere). The run folder and data stay under --work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+START = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - START:7.1f}s] {msg}", flush=True)
+
+
+def run(cmd: list[str], *, seconds: float | None = None, env: dict | None = None) -> bool:
+    """Run ``cmd`` (output to ours); stop it (SIGTERM, then KILL) after ``seconds``.
+    Returns True when it exited 0."""
+    log("$ " + " ".join(cmd))
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        rc = proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        log(f"time box of {seconds:.0f} s reached: stopping it")
+        proc.terminate()
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+    log(f"exit {rc}")
+    return rc == 0
+
+
+def train_records(metrics: Path) -> list[dict]:
+    if not metrics.is_file():
+        return []
+    return [r for r in map(json.loads, metrics.read_text().splitlines())
+            if r.get("kind") == "train"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="the target: preset, .gguf or HF folder")
+    p.add_argument("--prompts", required=True, help="conversations .jsonl (first user turns used)")
+    p.add_argument("--out", required=True, help="results folder")
+    p.add_argument("--work", default="/tmp/eagle3-build", help="data and run folder")
+    p.add_argument("--regen-dir", default=None, help="shards of an earlier regenerate to keep")
+    p.add_argument("--init-head", default=None, help="start from this head (builtin:NAME, folder)")
+    p.add_argument("--budget-s", type=float, default=540, help="whole build, seconds")
+    p.add_argument("--regen-s", type=float, default=170, help="regeneration time box, seconds")
+    p.add_argument("--export-s", type=float, default=45, help="kept for the export, seconds")
+    p.add_argument("--slots", type=int, default=256, help="rows regenerated together")
+    p.add_argument("--sample-temperature", type=float, default=1.0,
+                   help="then answer the prompts once more by sampling at this temperature "
+                        "(0: greedy answers only)")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--max-prompt-len", type=int, default=512)
+    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument("--learning-rate", type=float, default=5e-4)
+    p.add_argument("--calibrate-steps", type=int, default=30)
+    p.add_argument("--train", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="further train-config overrides")
+    args = p.parse_args(argv)
+    deadline = START + args.budget_s
+    py = sys.executable
+    work, out = Path(args.work), Path(args.out)
+    regen, run_dir = work / "regen", work / "run"
+    for d in (work, out, regen):
+        d.mkdir(parents=True, exist_ok=True)
+    info: dict = {"args": vars(args), "phases": {}}
+    env = dict(os.environ)
+    if args.regen_dir:
+        for f in Path(args.regen_dir).glob("*.jsonl"):
+            if not (regen / f.name).exists():
+                shutil.copy(f, regen / f.name)
+
+    def save_info() -> None:
+        (out / "build.json").write_text(json.dumps(info, indent=1))
+
+    # 1. regenerate ------------------------------------------------------------------------
+    t0 = time.monotonic()
+    regen_end = min(START + args.regen_s, deadline - args.export_s - 60)
+    # Greedy answers as the target gives them: full float32 matmuls (no TF32 on GPUs).
+    regen_env = dict(env, JAX_DEFAULT_MATMUL_PRECISION="highest")
+    passes = [(regen, args.prompts, 0.0)]
+    if args.sample_temperature > 0:
+        # The same prompts once more, answered by sampling (ids suffixed, so both are kept).
+        sampled = work / "prompts_sampled.jsonl"
+        with open(args.prompts, encoding="utf-8") as src, open(sampled, "w") as dst:
+            for line in src:
+                r = json.loads(line)
+                r["id"] = f"{r['id']}~t{args.sample_temperature:g}"
+                dst.write(json.dumps(r) + "\n")
+        passes.append((work / "regen_sampled", str(sampled), args.sample_temperature))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from eagle3_jax.data.regenerate import merge_shards
+    lines: list[str] = []
+    for folder, prompts, temperature in passes:
+        folder.mkdir(parents=True, exist_ok=True)
+        n_prompts = sum(1 for _ in open(prompts, encoding="utf-8"))
+        if regen_end - time.monotonic() > 10:
+            run([py, "-m", "eagle3_jax.data", "regenerate", "--data", prompts, "--out",
+                 str(folder), "--target", args.target, "--max-turns", "1", "--max-new-tokens",
+                 str(args.max_new_tokens), "--max-prompt-len", str(args.max_prompt_len),
+                 "--batch-size", str(args.slots), "--shortest", str(n_prompts),
+                 "--temperature", str(temperature), "--seed", "1"],
+                seconds=regen_end - time.monotonic(), env=regen_env)
+        new = merge_shards(folder).read_text(encoding="utf-8").splitlines()
+        info[f"conversations_t{temperature:g}"] = len(new)
+        lines += new
+    merged = work / "conversations.jsonl"
+    merged.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    info["phases"]["regenerate_s"] = round(time.monotonic() - t0, 1)
+    info["conversations"] = len(lines)
+    with lzma.open(out / "regenerated.jsonl.xz", "wt", encoding="utf-8", preset=3) as f:
+        f.write("\n".join(lines) + "\n")
+    log(f"{len(lines)} conversations regenerated in all")
+    save_info()
+
+    # 2. tokens ----------------------------------------------------------------------------
+    t0 = time.monotonic()
+    tokens, vocab = work / "tokens.npz", work / "draft_vocab.npz"
+    if not run([py, "-m", "eagle3_jax.data", "vocab", "--data", str(merged), "--target",
+                args.target, "--draft-vocab-size", str(args.draft_vocab_size), "--max-len",
+                str(args.max_len), "--out", str(vocab), "--tokens-out", str(tokens)], env=env):
+        return 1
+    import numpy as np
+    tok = np.load(tokens)
+    info["tokens"] = int(len(tok["tokens"]))
+    info["assistant_tokens"] = int(tok["loss_mask"].sum())
+    info["phases"]["tokens_s"] = round(time.monotonic() - t0, 1)
+    save_info()
+
+    # 3. train: calibrate, then size the schedule to the time left ---------------------------
+    base = [py, "-m", "eagle3_jax.train", "--config", "train-smollm2-135m",
+            f"target={args.target}", f"train_data={tokens}", f"out_dir={run_dir}",
+            f"batch_size={args.batch_size}", f"max_len={args.max_len}",
+            f"ttt_steps={args.ttt_steps}", f"optimizer.learning_rate={args.learning_rate}",
+            "optimizer.warmup_steps=20", "progress=false", "eval_batches=8",
+            "keep_checkpoints=2"]
+    base += ([f"init_head={args.init_head}", "draft_vocab=null"] if args.init_head
+             else [f"draft_vocab={vocab}", f"draft_vocab_size={args.draft_vocab_size}"])
+    base += args.train
+    t0 = time.monotonic()
+    k = args.calibrate_steps
+    ok = run(base + ["total_steps=100000", f"save_every={k}", f"eval_every={k}",
+                     f"log_every={max(k // 6, 1)}",
+                     "--max-steps", str(k)], env=env,
+             seconds=max(deadline - time.monotonic() - args.export_s, 1))
+    calibrate_s = time.monotonic() - t0
+    recs = train_records(run_dir / "metrics.jsonl")
+    if not ok or len(recs) < 3:
+        log("calibration run failed")
+        return 1
+    a, b = recs[1], recs[-1]     # skip the first interval (compilation)
+    step_s = (b["seconds"] - a["seconds"]) / max(b["step"] - a["step"], 1)
+    overhead = calibrate_s - k * step_s           # start-up, loading, compilation, eval, save
+    left = deadline - time.monotonic() - args.export_s - overhead
+    total = k + max(int(left / step_s), 0)
+    info["train"] = {"step_s": round(step_s, 4), "calibrate_s": round(calibrate_s, 1),
+                     "total_steps": total, "tokens_per_s": round(b["tokens_per_s"], 1)}
+    log(f"step {step_s * 1e3:.0f} ms, start-up {overhead:.0f} s: training to step {total}")
+    save_info()
+    if total > k:
+        run(base + [f"total_steps={total}", f"save_every={max(total // 4, 1)}", "log_every=10",
+                    f"eval_every={max(total // 8, 1)}"], env=env,
+            seconds=max(deadline - time.monotonic() - args.export_s + 20, 30))
+    recs = train_records(run_dir / "metrics.jsonl")
+    info["train"]["end_step"] = recs[-1]["step"] if recs else None
+    info["phases"]["train_s"] = round(time.monotonic() - t0, 1)
+    save_info()
+
+    # 4. export ----------------------------------------------------------------------------
+    run([py, "-m", "eagle3_jax.export", "--checkpoint", str(run_dir), "--out",
+         str(out / "head"), "--dtype", "bfloat16"], env=env)
+    for name in ("metrics.jsonl", "accuracy.png"):
+        if (run_dir / name).is_file():
+            shutil.copy(run_dir / name, out / name)
+    info["phases"]["total_s"] = round(time.monotonic() - START, 1)
+    save_info()
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
