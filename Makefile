@@ -1,7 +1,7 @@
 # make demo      : create .venv if missing, install, fetch the default model, run the decoder on it.
 # make test      : the same set-up, then the whole test suite on an 8-device CPU-emulated mesh.
 # make test-fast : the same, without the tests marked `slow` (the edit loop).
-# make head      : rebuild the shipped EAGLE-3 head of the default target from nothing (data the
+# make head      : rebuild the CPU stage of the shipped EAGLE-3 head of the default target (data the
 #                  target answers itself, training, measurement, export + model card); hours on a
 #                  CPU, resumable: re-run it after an interruption.
 # Both are fast the second time: the venv and the model cache are reused.

