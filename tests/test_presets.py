@@ -23,6 +23,10 @@ PUBLISHED_PARAMS = {
     "qwen3-8b": 8.19e9,
     "qwen2.5-7b-instruct": 7.62e9,
     "vicuna-7b-v1.3": 6.74e9,
+    "llama-3.3-70b-instruct": 70.55e9,
+    "qwen3-32b": 32.76e9,
+    "deepseek-r1-distill-llama-8b": 8.03e9,
+    "vicuna-13b-v1.3": 13.02e9,
 }
 
 
@@ -42,8 +46,14 @@ def test_configs_are_found_through_the_package():
 def test_other_configs_are_not_presets():
     # configs/ also holds training configs (``target: <preset name>``); they are not listed.
     others = set(list_train_configs())
-    assert others == {"train-smollm2-135m", "train-llama-3.1-8b-instruct"}
+    large = ("llama-3.1-8b-instruct", "llama-3.3-70b-instruct", "qwen3-8b", "qwen3-32b",
+             "deepseek-r1-distill-llama-8b", "vicuna-13b-v1.3")
+    assert others == {"train-smollm2-135m"} | {f"train-{n}" for n in large}
     assert not others & set(list_presets())
+    for name in large:  # each large preset's training config trains a head for it
+        cfg = load_train_config(f"train-{name}")
+        assert cfg.target == name and cfg.target_sharding == "training"
+        assert cfg.dtype == "bfloat16" and cfg.ttt_steps == 7
     for name in others:
         with pytest.raises(PresetError, match="unknown preset"):
             load_preset(name)
@@ -62,7 +72,7 @@ def test_train_config_lookup():
     assert train_config_path("train-llama-3.1-8b-instruct").name == \
         "train-llama-3.1-8b-instruct.yaml"
     with pytest.raises(ConfigError, match="'train-nope' is neither an existing file nor a "
-                                          "shipped config; shipped: train-llama"):
+                                          "shipped config; shipped: train-deepseek"):
         load_train_config("train-nope")
     with pytest.raises(ConfigError, match="shipped: "):  # a target preset is not a train config
         load_train_config("smollm2-135m")

@@ -1,0 +1,150 @@
+"""Cloud TPU slices by name, and an analytic mesh plan for training or decoding a target on one.
+
+Topologies are named as Cloud TPU names accelerator types: ``v4-32``, ``v5p-16`` (the number
+counts TensorCores, two per chip), ``v5litepod-8`` or ``v5e-8``, ``v6e-4`` (the number counts
+chips). :func:`mesh_plan` picks the (data, fsdp, tensor) mesh and estimates the HBM each chip
+needs from the model's sizes alone:
+
+* decoding (serving layout): bfloat16 weights sharded over the smallest ``tensor`` that leaves
+  room for the KV cache, replicas over ``data``;
+* training (``target_sharding: training``): everything FSDP-sharded over all chips: the frozen
+  target in its dtype, the head's float32 master weights, gradients and two AdamW moments, plus
+  an activation estimate per token.
+
+It is an estimate: where libtpu is installed, compiling the step for the topology gives the
+real figure (XLA's memory analysis).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from eagle3_jax.model.config import TargetConfig
+from eagle3_jax.sharding.mesh import MeshConfig, MeshError
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuChip:
+    generation: str
+    hbm_bytes: int              # per chip
+    bf16_flops: float           # peak dense bfloat16 FLOP/s per chip
+    cores_per_chip: int         # TensorCores the accelerator-type number counts per chip
+    aot_name: str               # the topology_name prefix jax.experimental.topologies takes
+
+
+# Cloud TPU documentation (system architecture pages), per chip.
+CHIPS = {
+    "v4": TpuChip("v4", 32 * GIB, 275e12, 2, "v4"),
+    "v5e": TpuChip("v5e", 16 * GIB, 197e12, 1, "v5e"),
+    "v5p": TpuChip("v5p", 95 * GIB, 459e12, 2, "v5p"),
+    "v6e": TpuChip("v6e", 32 * GIB, 918e12, 1, "v6e"),
+}
+ALIASES = {"v5litepod": "v5e"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    name: str          # as given, e.g. "v5p-16"
+    chip: TpuChip
+    chips: int
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.chips * self.chip.hbm_bytes
+
+
+def parse_topology(name: str) -> Topology:
+    """``v5p-16`` -> 8 v5p chips. Raises MeshError naming the accepted forms."""
+    m = re.fullmatch(r"(v4|v5e|v5litepod|v5p|v6e)-(\d+)", name.strip().lower())
+    if not m:
+        raise MeshError(f"unknown TPU topology {name!r}: use a Cloud TPU accelerator type such as "
+                        "v4-32, v5p-16, v5litepod-8 (or v5e-8), v6e-4")
+    chip = CHIPS[ALIASES.get(m.group(1), m.group(1))]
+    count = int(m.group(2))
+    if count < chip.cores_per_chip or count % chip.cores_per_chip:
+        raise MeshError(f"TPU topology {name!r}: {chip.generation} counts "
+                        f"{chip.cores_per_chip} TensorCores per chip; use a multiple of it")
+    return Topology(name, chip, count // chip.cores_per_chip)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+    """A mesh for ``topology`` and the HBM one chip needs under it (bytes)."""
+
+    topology: Topology
+    mode: str                      # "train" or "decode"
+    mesh: MeshConfig
+    bytes_per_chip: dict           # what / bytes, summed in ``total``
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.bytes_per_chip.values()))
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.topology.chip.hbm_bytes
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in self.bytes_per_chip.items())
+        m = self.mesh
+        return (f"{self.mode} on {self.topology.name} ({self.topology.chips} {self.topology.chip.generation} "
+                f"chips): mesh data={m.data} fsdp={m.fsdp} tensor={m.tensor}; per chip {parts} = "
+                f"{self.total / GIB:.1f} GiB of {self.topology.chip.hbm_bytes / GIB:.0f} GiB: "
+                f"{'fits' if self.fits else 'does NOT fit'}")
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+
+
+def kv_bytes_per_token(cfg: TargetConfig, dtype_bytes: int = 2) -> int:
+    """Keys and values of one token in every layer."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+
+
+def draft_params(cfg: TargetConfig, draft_vocab_size: int) -> int:
+    """Parameters of an EAGLE-3 head for ``cfg`` (fc over three taps, one decoder layer with a
+    2*hidden attention input, norms, its own output head); the embedding is the target's."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    # q, k, v read the 2*hidden input (embedding and feature); o maps back to hidden
+    attn = (2 * d) * cfg.num_heads * hd + 2 * (2 * d) * cfg.num_kv_heads * hd + cfg.num_heads * hd * d
+    mlp = 3 * d * cfg.intermediate_size
+    return 3 * d * d + attn + mlp + draft_vocab_size * d + 4 * d
+
+
+def mesh_plan(cfg: TargetConfig, topology: str | Topology, mode: str, *, batch_size: int = 8,
+              max_len: int = 2048, ttt_steps: int = 7, draft_vocab_size: int = 32000,
+              cache_headroom: float = 0.8) -> MeshPlan:
+    """The mesh and per-chip HBM for ``mode`` "train" (batch_size sequences of max_len per
+    step) or "decode" (batch_size sequences, each with a KV cache of max_len tokens)."""
+    topo = parse_topology(topology) if isinstance(topology, str) else topology
+    chips, hbm = topo.chips, topo.chip.hbm_bytes
+    weights = cfg.num_params * _dtype_bytes(cfg.dtype)
+    if mode == "decode":
+        kv = batch_size * max_len * kv_bytes_per_token(cfg, _dtype_bytes(cfg.dtype))
+        tensor = 1
+        while tensor < chips and (weights / tensor > cache_headroom * hbm
+                                  or weights / tensor + kv / tensor > hbm):
+            tensor *= 2
+        tensor = min(tensor, chips)
+        if chips % tensor:
+            tensor = chips
+        data = chips // tensor
+        kv_shard = min(tensor, cfg.num_kv_heads) * max(data, 1)
+        used = {"weights": weights / tensor, "kv cache": kv / kv_shard}
+        return MeshPlan(topo, mode, MeshConfig(data=data, fsdp=1, tensor=tensor), used)
+    if mode != "train":
+        raise ValueError(f"mode must be 'train' or 'decode', got {mode!r}")
+    head = draft_params(cfg, draft_vocab_size)
+    tokens_per_chip = batch_size * max_len / chips
+    d = cfg.hidden_size
+    # Per token: the three taps and the TTT steps' states kept for the backward (float32), and
+    # one target layer's transient activations (the frozen target keeps nothing).
+    act = tokens_per_chip * (4 * (3 * d + ttt_steps * (8 * d + cfg.intermediate_size))
+                             + _dtype_bytes(cfg.dtype) * (6 * d + 3 * cfg.intermediate_size))
+    used = {"target": weights / chips, "head + grads + adam": 16 * head / chips,
+            "activations": act}
+    return MeshPlan(topo, mode, MeshConfig(data=1, fsdp=chips, tensor=1), used)
