@@ -44,8 +44,18 @@ head: model
 PYTEST_WORKERS ?= auto
 PYTEST_ARGS := -q -n $(PYTEST_WORKERS) --dist loadfile
 
-test: model
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest $(PYTEST_ARGS) tests
+# libtpu (what `jax[tpu]` adds) in a folder of its own, not the venv: `python -m eagle3_jax.plan`
+# compiles for TPU topologies with it (tests/test_plan.py); in the venv every JAX process would
+# probe for a TPU first.
+# The version jax[tpu]==0.10.2 pins.
+LIBTPU := libtpu==0.0.42.1
+LIBTPU_SITE := $(VENV)/libtpu
+$(LIBTPU_SITE)/.stamp: $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(LIBTPU_SITE) "$(LIBTPU)"
+	@touch $@
+
+test: model $(LIBTPU_SITE)/.stamp
+	EAGLE3_JAX_LIBTPU_SITE=$(abspath $(LIBTPU_SITE)) XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest $(PYTEST_ARGS) tests
 
 test-fast: model
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests

@@ -2,9 +2,13 @@
 # Train an EAGLE-3 head on a Cloud TPU VM slice (single- or multi-host).
 #
 #   launch/train_tpu.sh --name eagle3-v5p --zone us-east5-a --accelerator v5p-32 \
-#       [--project P] [--version tpu-ubuntu2204-base] [--spot] [--dry-run] \
+#       [--project P] [--version tpu-ubuntu2204-base] [--spot] [--dry-run] [--skip-plan] \
 #       -- --config configs/train-llama-3.1-8b-instruct.yaml target=/mnt/llama31 out_dir=/mnt/runs/llama31
 #
+# 0. plans first, on this machine: `python -m eagle3_jax.plan --config ... --topology
+#    <accelerator>` compiles the training step for the slice (with libtpu installed here:
+#    `pip install 'jax[tpu]'`; else an analytic estimate) and the script refuses a plan that does
+#    not fit, before anything is created (--skip-plan skips it; PY names the python to use);
 # 1. creates the TPU VM slice, or reuses it when it already exists;
 # 2. copies this checkout (git archive of HEAD) to every worker and installs it into a venv
 #    with jax[tpu] (`pip install -e '.[tpu]'`);
@@ -17,7 +21,7 @@
 # --dry-run prints every command instead of running it.
 set -euo pipefail
 
-name="" zone="" accelerator="" project="" version="tpu-ubuntu2204-base" spot="" dry_run=0
+name="" zone="" accelerator="" project="" version="tpu-ubuntu2204-base" spot="" dry_run=0 plan=1
 train_args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -28,6 +32,7 @@ while [[ $# -gt 0 ]]; do
     --version) version="$2"; shift 2 ;;
     --spot) spot="--spot"; shift ;;
     --dry-run) dry_run=1; shift ;;
+    --skip-plan) plan=0; shift ;;
     --) shift; train_args=("$@"); break ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "error: unknown option $1 (see --help)" >&2; exit 2 ;;
@@ -52,6 +57,33 @@ run() {  # print, then run unless --dry-run
   printf '+'; printf ' %q' "$@"; printf '\n'
   if [[ $dry_run -eq 0 ]]; then "$@"; fi
 }
+
+# 0. The plan: does the step fit one chip's HBM on this slice? (Refused before any spending.)
+if [[ $plan -eq 1 ]]; then
+  config="" plan_args=()
+  for ((i = 0; i < ${#train_args[@]}; i++)); do
+    arg="${train_args[$i]}"
+    case "$arg" in
+      --config) config="${train_args[$((i + 1))]}"; i=$((i + 1)) ;;
+      --config=*) config="${arg#--config=}" ;;
+      target=*|out_dir=*|train_data=*|eval_data=*|draft_vocab=*|init_head=*) ;;  # paths on the workers
+      *=*) plan_args+=("$arg") ;;
+    esac
+  done
+  if [[ -z "$config" ]]; then echo "error: the training arguments need --config (see --help)" >&2; exit 2; fi
+  py="${PY:-$repo_root/.venv/bin/python}"; [[ -x "$py" ]] || py=python3
+  set +e
+  (cd "$repo_root" && "$py" -m eagle3_jax.plan --config "$config" --topology "$accelerator" "${plan_args[@]}")
+  code=$?
+  set -e
+  if [[ $code -eq 1 ]]; then
+    echo "error: the plan does not fit $accelerator: choose a larger slice, or lower batch_size / max_len (--skip-plan to launch anyway)" >&2
+    exit 1
+  elif [[ $code -ne 0 ]]; then
+    echo "error: planning failed (exit $code); fix the arguments or pass --skip-plan" >&2
+    exit 2
+  fi
+fi
 
 # 1. The slice.
 if [[ $dry_run -eq 0 ]] && "${gcloud_tpu[@]}" describe "$name" "${where[@]}" >/dev/null 2>&1; then

@@ -115,6 +115,20 @@ def draft_params(cfg: TargetConfig, draft_vocab_size: int) -> int:
     return 3 * d * d + attn + mlp + draft_vocab_size * d + 4 * d
 
 
+def train_step_flops(cfg: TargetConfig, *, tokens: int, max_len: int, ttt_steps: int,
+                     draft_vocab_size: int) -> float:
+    """Matmul FLOPs of one online training step over ``tokens`` tokens in rows of ``max_len``:
+    the frozen target's forward (its output head included: the TTT targets are its
+    distributions) and the head's forward and backward (3x) at every TTT step, causal attention
+    at half the row on average."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    layer = 2 * d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + 3 * d * cfg.intermediate_size
+    attn = 2 * 2 * cfg.num_heads * hd * (max_len / 2)          # scores and values, per token
+    target = tokens * (2 * (cfg.num_layers * layer + d * cfg.vocab_size) + cfg.num_layers * attn)
+    head = 2 * (draft_params(cfg, draft_vocab_size) - 3 * d * d) + attn * (ttt_steps + 1) / 2
+    return target + tokens * (2 * 3 * d * d + ttt_steps * 3 * head)
+
+
 def mesh_plan(cfg: TargetConfig, topology: str | Topology, mode: str, *, batch_size: int = 8,
               max_len: int = 2048, ttt_steps: int = 7, draft_vocab_size: int = 32000,
               cache_headroom: float = 0.8) -> MeshPlan:

@@ -1,0 +1,232 @@
+"""``python -m eagle3_jax.plan --config CONFIG --topology v5p-16 [--decode] [--json]``
+
+Checks, on this host and before any TPU is rented, whether a training config fits a Cloud TPU
+slice: the jitted training step (or, with ``--decode``, the target's verification forward of a
+draft tree over a full KV cache) is compiled ahead of time for the topology through libtpu
+(``jax.experimental.topologies``; ``pip install 'jax[tpu]'`` puts libtpu beside jax, no TPU
+needed) and XLA's memory analysis gives the HBM one chip needs. Without libtpu it says so and
+prints the analytic estimate of ``eagle3_jax.sharding.tpu.mesh_plan`` instead.
+
+``--json`` prints one object: fits, hbm_per_chip_bytes, hbm_capacity_bytes, flops (the step's,
+all chips), method ("compiled" or "analytic"), the mesh and the breakdown. Exit status 0 when it
+fits, 1 when it does not, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from typing import Any
+
+from eagle3_jax.errors import run_cli
+
+# Chip grids libtpu compiles for, by chip count: 3-D tori (v4, v5p) and 2-D (v5e, v6e).
+GRIDS_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+            256: "4x8x8", 512: "8x8x8"}
+GRIDS_2D = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+
+
+def aot_topology_name(topology) -> str:
+    """``v5p-16`` (8 chips) -> ``v5p:2x2x2``, the name get_topology_desc takes."""
+    from eagle3_jax.sharding import MeshError
+
+    grids = GRIDS_3D if topology.chip.generation in ("v4", "v5p") else GRIDS_2D
+    if topology.chips not in grids:
+        raise MeshError(f"{topology.name}: no ahead-of-time layout for {topology.chips} chips "
+                        f"(compiled plans cover {', '.join(map(str, grids))} chips)")
+    return f"{topology.chip.aot_name}:{grids[topology.chips]}"
+
+
+def tpu_devices(topology) -> list:
+    """The abstract devices of ``topology`` (raises if libtpu is unavailable)."""
+    from jax.experimental import topologies
+
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=aot_topology_name(topology))
+    return list(desc.devices)
+
+
+def _abstract(tree, shardings):
+    import jax
+
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tree, shardings)
+
+
+def compile_train_step(cfg, tcfg, devices) -> Any:
+    """The run's training step (online: the frozen target inside), lowered and compiled for
+    ``devices`` with abstract arrays only. Returns the compiled executable."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from eagle3_jax.draft.config import DraftConfig
+    from eagle3_jax.draft.params import VocabMap
+    from eagle3_jax.model.params import is_spec, param_specs
+    from eagle3_jax.sharding import make_mesh, param_shardings
+    from eagle3_jax.train.inputs import TargetInputs
+    from eagle3_jax.train.loop import BATCH_AXES, MASTER_DTYPE, abstract_train_state
+    from eagle3_jax.train.step import train_step
+
+    mesh = make_mesh(cfg.mesh, devices)
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.batch_size % shards:
+        from eagle3_jax.model.config import ConfigError
+        raise ConfigError(f"batch_size {cfg.batch_size} is not a multiple of the data x fsdp "
+                          f"mesh size {shards} on this topology; raise batch_size")
+    draft_cfg = DraftConfig.for_target(tcfg, draft_vocab_size=min(cfg.draft_vocab_size,
+                                                                  tcfg.vocab_size),
+                                       ttt_steps=cfg.ttt_steps, dtype=MASTER_DTYPE,
+                                       fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
+    optimizer = cfg.optimizer.build()
+    specs = param_specs(tcfg)
+    frozen_sh = param_shardings(specs, mesh, cfg.target_sharding)
+    frozen = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, jnp.dtype(tcfg.dtype),
+                                                             sharding=sh),
+                          specs, frozen_sh, is_leaf=is_spec)
+    shapes, state_sh = abstract_train_state(draft_cfg, optimizer, mesh)
+    state = _abstract(shapes, state_sh)
+    replicated = NamedSharding(mesh, P())
+    vocab = VocabMap(d2t=jax.ShapeDtypeStruct((draft_cfg.draft_vocab_size,), jnp.int32,
+                                              sharding=replicated),
+                     t2d=jax.ShapeDtypeStruct((tcfg.vocab_size,), jnp.bool_, sharding=replicated))
+    batch_sh = NamedSharding(mesh, P(None, BATCH_AXES, None))
+    shape = (cfg.grad_accum, cfg.batch_size, cfg.max_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.bool_ if k == "loss_mask" else jnp.int32,
+                                     sharding=batch_sh)
+             for k in ("tokens", "loss_mask", "segment_ids", "positions")}
+    step = jax.jit(
+        functools.partial(train_step, make_inputs=TargetInputs(tcfg, draft_cfg),
+                          draft_cfg=draft_cfg, optimizer=optimizer,
+                          compute_dtype=cfg.draft_compute_dtype, loss_mask=cfg.loss_mask,
+                          objective=cfg.objective),
+        out_shardings=(state_sh, replicated), donate_argnums=(0,))
+    return mesh, step.lower(state, frozen, vocab, batch).compile()
+
+
+def plan(cfg, topology_name: str, *, decode: bool = False, decode_batch: int = 8,
+         tree_tokens: int = 60) -> dict:
+    """The plan as a dict (see the module doc); compiled where libtpu is present."""
+    from eagle3_jax.presets import load_preset
+    from eagle3_jax.sharding.tpu import mesh_plan, parse_topology, train_step_flops
+
+    topology = parse_topology(topology_name)
+    name = cfg.target[len("random:"):] if cfg.target.startswith("random:") else cfg.target
+    tcfg = load_preset(name).target.replace(dtype=cfg.dtype)
+    mode = "decode" if decode else "train"
+    analytic = mesh_plan(tcfg, topology, mode,
+                         batch_size=decode_batch if decode else cfg.batch_size * cfg.grad_accum,
+                         max_len=cfg.max_len, ttt_steps=cfg.ttt_steps,
+                         draft_vocab_size=cfg.draft_vocab_size)
+    flops = None if decode else train_step_flops(
+        tcfg, tokens=cfg.batch_size * cfg.grad_accum * cfg.max_len, max_len=cfg.max_len,
+        ttt_steps=cfg.ttt_steps, draft_vocab_size=cfg.draft_vocab_size)
+    # flops: the step's matmul FLOPs on all chips, counted from the shapes (XLA's cost analysis
+    # counts a scanned layer once, so its figure is not the step's).
+    out = {"config_target": cfg.target, "topology": topology.name, "chips": topology.chips,
+           "chip": topology.chip.generation, "mode": mode, "flops": flops,
+           "hbm_capacity_bytes": topology.chip.hbm_bytes}
+    try:
+        devices = tpu_devices(topology)
+    except Exception as e:  # no libtpu, or it cannot describe this topology
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        hint = ("; install libtpu (pip install 'jax[tpu]') for XLA's own figure"
+                if "TPU support" in reason or "libtpu" in reason else "")
+        out.update(method="analytic", note=f"not compiled ({reason}){hint}; the analytic "
+                   "estimate leaves out XLA's temporaries, which can be several times larger",
+                   fits=analytic.fits, hbm_per_chip_bytes=analytic.total,
+                   breakdown=analytic.bytes_per_chip,
+                   mesh=dataclass_dict(analytic.mesh))
+        return out
+    if decode:
+        out.update(method="analytic", note="the decoding round is not compiled ahead of time "
+                   "yet: analytic estimate", fits=analytic.fits,
+                   hbm_per_chip_bytes=analytic.total, breakdown=analytic.bytes_per_chip,
+                   mesh=dataclass_dict(analytic.mesh))
+        return out
+    # libtpu may expose a chip as two devices (v4 without megacore): capacity per device.
+    capacity = topology.chip.hbm_bytes * topology.chips // len(devices)
+    try:
+        mesh, compiled = compile_train_step(cfg, tcfg, devices)
+    except Exception as e:  # XLA refuses a program that cannot fit: that is the answer
+        text = str(e)
+        if "RESOURCE_EXHAUSTED" not in text:
+            raise
+        import re
+        need = re.search(r"required for [^(]*\(([\d.]+)([KMGT])\)", text)
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+        required = int(float(need.group(1)) * scale[need.group(2)]) if need else None
+        out.update(method="compiled", devices=len(devices), hbm_capacity_bytes=capacity,
+                   hbm_per_chip_bytes=required, fits=False,
+                   breakdown={"temporaries (at least)": required or 0},
+                   mesh=dict(zip(("data", "fsdp", "tensor"),
+                                 cfg.mesh.resolve(len(devices)))),
+                   note="XLA: " + text[text.index("RESOURCE_EXHAUSTED"):].splitlines()[0],
+                   analytic_hbm_per_chip_bytes=analytic.total)
+        return out
+    mem = compiled.memory_analysis()
+    per_device = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                  + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
+    out.update(method="compiled", devices=len(devices), hbm_capacity_bytes=capacity,
+               hbm_per_chip_bytes=int(per_device), fits=bool(per_device <= capacity),
+               breakdown={"arguments": mem.argument_size_in_bytes,
+                          "outputs (not donated)": mem.output_size_in_bytes
+                          - mem.alias_size_in_bytes,
+                          "temporaries": mem.temp_size_in_bytes,
+                          "code": mem.generated_code_size_in_bytes},
+               mesh=dict(mesh.shape), analytic_hbm_per_chip_bytes=analytic.total)
+    return out
+
+
+def dataclass_dict(x) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(x)
+
+
+def describe(p: dict) -> str:
+    gib = 2**30
+    lines = [f"{p['mode']} plan for {p['config_target']} on {p['topology']} ({p['chips']} "
+             f"{p['chip']} chips), {p['method']}: mesh {p['mesh']}"]
+    for k, v in p["breakdown"].items():
+        lines.append(f"  {k:>22}: {v / gib:8.2f} GiB")
+    lines.append(f"  {'per chip':>22}: {p['hbm_per_chip_bytes'] / gib:8.2f} GiB of "
+                 f"{p['hbm_capacity_bytes'] / gib:.1f} GiB -> "
+                 f"{'fits' if p['fits'] else 'does NOT fit'}")
+    if p.get("flops"):
+        lines.append(f"  {'step FLOPs':>22}: {p['flops']:.3e} (matmuls, all chips)")
+    if p.get("note"):
+        lines.append(f"  note: {p['note']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle3_jax.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="training config (shipped name or YAML)")
+    parser.add_argument("--topology", required=True, help="Cloud TPU type: v5p-16, v5e-8, v6e-4")
+    parser.add_argument("--decode", action="store_true", help="plan decoding, not training")
+    parser.add_argument("--decode-batch", type=int, default=8)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
+    args = parser.parse_args(argv)
+    result: dict = {}
+
+    def body() -> None:
+        from eagle3_jax.train.config import load_train_config
+
+        cfg = load_train_config(args.config, args.overrides)
+        result.update(plan(cfg, args.topology, decode=args.decode,
+                           decode_batch=args.decode_batch))
+        print(json.dumps(result) if args.json else describe(result))
+
+    code = run_cli(body, debug=args.debug)
+    if code == 0 and not result.get("fits", False):
+        return 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""``python -m eagle3_jax.plan``: a training step compiled ahead of time for a Cloud TPU
+topology through libtpu (no TPU here), or, without libtpu, an analytic estimate whose sizes are
+those of ``jax.eval_shape``; and launch/train_tpu.sh refusing a plan that does not fit before it
+creates anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from eagle3_jax.model.params import init_params
+from eagle3_jax.presets import load_preset
+
+REPO = Path(__file__).resolve().parents[1]
+LIBTPU_SITE = os.environ.get("EAGLE3_JAX_LIBTPU_SITE")
+
+
+def _plan(*args, libtpu: bool):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+    if libtpu:
+        env["PYTHONPATH"] = LIBTPU_SITE
+    return subprocess.run([sys.executable, "-m", "eagle3_jax.plan", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(not LIBTPU_SITE, reason="EAGLE3_JAX_LIBTPU_SITE unset (make test sets it)")
+def test_compiled_plans_fit_or_refuse():
+    out = _plan("--config", "train-smollm2-135m", "--topology", "v5e-8", "batch_size=8",
+                "--json", libtpu=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    p = json.loads(out.stdout)
+    assert p["method"] == "compiled" and p["fits"] is True and p["devices"] == 8
+    assert p["hbm_capacity_bytes"] == 16 * 2**30
+    assert 0 < p["hbm_per_chip_bytes"] == sum(p["breakdown"].values()) < p["hbm_capacity_bytes"]
+    # At least the frozen target's bfloat16... here float32 weights, split over the data axis'
+    # replicas: each chip holds all of them (data parallel), so arguments >= the weights.
+    cfg = load_preset("smollm2-135m").target
+    assert p["breakdown"]["arguments"] >= cfg.num_params * 4
+    assert p["flops"] > 2 * cfg.num_params * 8 * 512  # more than the target's forward
+    # 70B does not fit eight 16 GiB chips: XLA refuses to allocate it, exit status 1.
+    out = _plan("--config", "train-llama-3.3-70b-instruct", "--topology", "v5e-8", "--json",
+                libtpu=True)
+    assert out.returncode == 1, out.stderr[-2000:]
+    p = json.loads(out.stdout)
+    assert p["method"] == "compiled" and p["fits"] is False
+    assert p["hbm_per_chip_bytes"] > p["hbm_capacity_bytes"] and "RESOURCE_EXHAUSTED" in p["note"]
+
+
+def test_without_libtpu_the_estimate_is_analytic_and_sized_by_eval_shape():
+    out = _plan("--config", "train-llama-3.1-8b-instruct", "--topology", "v5p-16", "--json",
+                libtpu=False)
+    assert out.returncode in (0, 1), out.stderr[-2000:]
+    p = json.loads(out.stdout)
+    assert p["method"] == "analytic" and "install libtpu" in p["note"]
+    assert {"fits", "hbm_per_chip_bytes", "hbm_capacity_bytes", "flops"} <= set(p)
+    cfg = load_preset("llama-3.1-8b-instruct").target
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    assert p["chips"] == 8 and p["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert p["breakdown"]["target"] == weight_bytes / 8
+    assert p["hbm_capacity_bytes"] == 95 * 2**30
+
+
+def test_bad_topology_is_one_line():
+    out = _plan("--config", "train-smollm2-135m", "--topology", "v9-8", libtpu=False)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "unknown TPU topology 'v9-8'" in out.stderr
+
+
+def test_launch_refuses_a_plan_that_does_not_fit_before_creating_anything():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+    env["PY"] = sys.executable
+    out = subprocess.run(["bash", str(REPO / "launch" / "train_tpu.sh"), "--dry-run", "--name",
+                          "x", "--zone", "z", "--accelerator", "v5e-8", "--", "--config",
+                          "train-llama-3.3-70b-instruct", "target=/mnt/llama33"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 1 and "does not fit v5e-8" in out.stderr
+    assert not any(line.startswith("+ ") for line in out.stdout.splitlines())  # nothing ran
