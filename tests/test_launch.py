@@ -34,3 +34,18 @@ def test_missing_arguments_are_refused():
     assert out.returncode == 2 and "--accelerator is required" in out.stderr
     out = _run("--dry-run", "--name", "x", "--zone", "z", "--accelerator", "v5e-8")
     assert out.returncode == 2 and "training arguments after --" in out.stderr
+
+
+def test_exec_runs_one_job_on_worker_0_and_every_job_logs_per_worker():
+    out = _run("--dry-run", "--name", "x", "--zone", "z", "--accelerator", "v5p-32", "--exec",
+               "python -m eagle3_jax.bench speed --target /mnt/l --draft /mnt/h")
+    assert out.returncode == 0, out.stderr
+    last = out.stdout.splitlines()[-1]
+    assert "--worker=0" in last and "eagle3_jax.bench\\\\\\ speed" in last
+    assert "tee\\ -a\\ logs/exec-\\$\\(hostname\\).log" in last and "eagle3_jax.train" not in last
+    train = _run("--dry-run", "--name", "x", "--zone", "z", "--accelerator", "v5p-32", "--",
+                 "--config", "configs/train-llama-3.1-8b-instruct.yaml")
+    assert "logs/train-\\$\\(hostname\\).log" in train.stdout.splitlines()[-1]
+    both = _run("--dry-run", "--name", "x", "--zone", "z", "--accelerator", "v5p-32", "--exec",
+                "true", "--", "--config", "c.yaml")
+    assert both.returncode == 2 and "either --exec" in both.stderr
