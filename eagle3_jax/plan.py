@@ -1,4 +1,5 @@
-"""``python -m eagle3_jax.plan --config CONFIG --topology v5p-16 [--decode] [--json]``
+"""``python -m eagle3_jax.plan --config CONFIG --topology v5p-16 [--decode [--decode-batch N]
+[--tree-tokens T]] [--json]``
 
 Checks, on this host and before any TPU is rented, whether a training config fits a Cloud TPU
 slice: the jitted training step (or, with ``--decode``, the target's verification forward of a
@@ -7,9 +8,10 @@ draft tree over a full KV cache) is compiled ahead of time for the topology thro
 needed) and XLA's memory analysis gives the HBM one chip needs. Without libtpu it says so and
 prints the analytic estimate of ``eagle3_jax.sharding.tpu.mesh_plan`` instead.
 
-``--json`` prints one object: fits, hbm_per_chip_bytes, hbm_capacity_bytes, flops (the step's,
-all chips), method ("compiled" or "analytic"), the mesh and the breakdown. Exit status 0 when it
-fits, 1 when it does not, 2 on bad input.
+``--json`` prints one object: fits, hbm_per_chip_bytes, hbm_capacity_bytes, flops (the step's
+or the verification's matmul FLOPs, all chips, counted from the shapes), method ("compiled" or
+"analytic"), the mesh and the breakdown. Exit status 0 when it fits, 1 when it does not, 2 on
+bad input.
 """
 
 from __future__ import annotations
@@ -105,23 +107,66 @@ def compile_train_step(cfg, tcfg, devices) -> Any:
     return mesh, step.lower(state, frozen, vocab, batch).compile()
 
 
-def plan(cfg, topology_name: str, *, decode: bool = False, decode_batch: int = 8,
+def compile_verification(tcfg, devices, mesh_cfg, *, batch: int, new_tokens: int,
+                         max_len: int):
+    """The target's forward of ``new_tokens`` (a draft tree) for ``batch`` sequences over a
+    KV cache of ``max_len`` slots, serving layout, on ``mesh_cfg``, compiled for ``devices``
+    (the cache donated, as decoding does). Returns (mesh, compiled)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from eagle3_jax.model.params import is_spec, serving_specs
+    from eagle3_jax.model.target import KVCache, forward
+    from eagle3_jax.sharding import make_mesh, param_shardings
+    from eagle3_jax.sharding.mesh import KV_CACHE_K_AXES, KV_CACHE_V_AXES, named_sharding
+
+    mesh = make_mesh(mesh_cfg, devices)
+    specs = serving_specs(tcfg)
+    dtype = jnp.dtype(tcfg.dtype)
+    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
+                          specs, param_shardings(specs, mesh, "serving"), is_leaf=is_spec)
+    b, k, h = batch, tcfg.num_kv_heads, tcfg.head_dim
+    k_shape, v_shape = (b, k, h, max_len), (b, k, max_len, h)
+    cache = KVCache(
+        k=tuple(jax.ShapeDtypeStruct(k_shape, dtype, sharding=named_sharding(
+            KV_CACHE_K_AXES, k_shape, mesh)) for _ in range(tcfg.num_layers)),
+        v=tuple(jax.ShapeDtypeStruct(v_shape, dtype, sharding=named_sharding(
+            KV_CACHE_V_AXES, v_shape, mesh)) for _ in range(tcfg.num_layers)),
+        end=jax.ShapeDtypeStruct((b,), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp")))))
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    tokens = jax.ShapeDtypeStruct((b, new_tokens), jnp.int32, sharding=rows)
+    mask = jax.ShapeDtypeStruct((b, new_tokens, max_len), jnp.bool_, sharding=rows)
+    step = jax.jit(forward, static_argnums=1, donate_argnums=(5,))
+    return mesh, step.lower(params, tcfg, tokens, tokens, mask, cache).compile()
+
+
+def plan(cfg, topology_name: str, *, decode: bool = False, decode_batch: int = 1,
          tree_tokens: int = 60) -> dict:
     """The plan as a dict (see the module doc); compiled where libtpu is present."""
     from eagle3_jax.presets import load_preset
-    from eagle3_jax.sharding.tpu import mesh_plan, parse_topology, train_step_flops
+    from eagle3_jax.sharding.tpu import (mesh_plan, parse_topology, train_step_flops,
+                                         verify_flops)
 
     topology = parse_topology(topology_name)
     name = cfg.target[len("random:"):] if cfg.target.startswith("random:") else cfg.target
     tcfg = load_preset(name).target.replace(dtype=cfg.dtype)
     mode = "decode" if decode else "train"
+    if decode:  # decode_batch sequences per replica: the replicas come from the plan's mesh
+        replicas = mesh_plan(tcfg, topology, mode, batch_size=decode_batch,
+                             max_len=cfg.max_len).mesh.data
     analytic = mesh_plan(tcfg, topology, mode,
-                         batch_size=decode_batch if decode else cfg.batch_size * cfg.grad_accum,
+                         batch_size=decode_batch * replicas if decode
+                         else cfg.batch_size * cfg.grad_accum,
                          max_len=cfg.max_len, ttt_steps=cfg.ttt_steps,
                          draft_vocab_size=cfg.draft_vocab_size)
-    flops = None if decode else train_step_flops(
-        tcfg, tokens=cfg.batch_size * cfg.grad_accum * cfg.max_len, max_len=cfg.max_len,
-        ttt_steps=cfg.ttt_steps, draft_vocab_size=cfg.draft_vocab_size)
+    if decode:
+        flops = verify_flops(tcfg, sequences=decode_batch * replicas, new_tokens=tree_tokens,
+                             max_len=cfg.max_len)
+    else:
+        flops = train_step_flops(tcfg, tokens=cfg.batch_size * cfg.grad_accum * cfg.max_len,
+                                 max_len=cfg.max_len, ttt_steps=cfg.ttt_steps,
+                                 draft_vocab_size=cfg.draft_vocab_size)
     # flops: the step's matmul FLOPs on all chips, counted from the shapes (XLA's cost analysis
     # counts a scanned layer once, so its figure is not the step's).
     out = {"config_target": cfg.target, "topology": topology.name, "chips": topology.chips,
@@ -139,16 +184,19 @@ def plan(cfg, topology_name: str, *, decode: bool = False, decode_batch: int = 8
                    breakdown=analytic.bytes_per_chip,
                    mesh=dataclass_dict(analytic.mesh))
         return out
-    if decode:
-        out.update(method="analytic", note="the decoding round is not compiled ahead of time "
-                   "yet: analytic estimate", fits=analytic.fits,
-                   hbm_per_chip_bytes=analytic.total, breakdown=analytic.bytes_per_chip,
-                   mesh=dataclass_dict(analytic.mesh))
-        return out
     # libtpu may expose a chip as two devices (v4 without megacore): capacity per device.
     capacity = topology.chip.hbm_bytes * topology.chips // len(devices)
     try:
-        mesh, compiled = compile_train_step(cfg, tcfg, devices)
+        if decode:
+            # The analytic plan's mesh; decode_batch sequences per data replica.
+            mesh, compiled = compile_verification(
+                tcfg, devices, analytic.mesh, batch=decode_batch * analytic.mesh.data,
+                new_tokens=tree_tokens, max_len=cfg.max_len)
+            out["note"] = (f"the target's verification forward of {tree_tokens} tree tokens "
+                           f"for {decode_batch} sequence(s) per replica over {cfg.max_len} cache "
+                           "slots; the draft head (about 1% of the weights) is not included")
+        else:
+            mesh, compiled = compile_train_step(cfg, tcfg, devices)
     except Exception as e:  # XLA refuses a program that cannot fit: that is the answer
         text = str(e)
         if "RESOURCE_EXHAUSTED" not in text:
@@ -160,8 +208,8 @@ def plan(cfg, topology_name: str, *, decode: bool = False, decode_batch: int = 8
         out.update(method="compiled", devices=len(devices), hbm_capacity_bytes=capacity,
                    hbm_per_chip_bytes=required, fits=False,
                    breakdown={"temporaries (at least)": required or 0},
-                   mesh=dict(zip(("data", "fsdp", "tensor"),
-                                 cfg.mesh.resolve(len(devices)))),
+                   mesh=(dataclass_dict(analytic.mesh) if decode else
+                         dict(zip(("data", "fsdp", "tensor"), cfg.mesh.resolve(len(devices))))),
                    note="XLA: " + text[text.index("RESOURCE_EXHAUSTED"):].splitlines()[0],
                    analytic_hbm_per_chip_bytes=analytic.total)
         return out
@@ -195,7 +243,7 @@ def describe(p: dict) -> str:
                  f"{p['hbm_capacity_bytes'] / gib:.1f} GiB -> "
                  f"{'fits' if p['fits'] else 'does NOT fit'}")
     if p.get("flops"):
-        lines.append(f"  {'step FLOPs':>22}: {p['flops']:.3e} (matmuls, all chips)")
+        lines.append(f"  {'FLOPs':>22}: {p['flops']:.3e} (matmuls, all chips)")
     if p.get("note"):
         lines.append(f"  note: {p['note']}")
     return "\n".join(lines)
@@ -207,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="training config (shipped name or YAML)")
     parser.add_argument("--topology", required=True, help="Cloud TPU type: v5p-16, v5e-8, v6e-4")
     parser.add_argument("--decode", action="store_true", help="plan decoding, not training")
-    parser.add_argument("--decode-batch", type=int, default=8)
+    parser.add_argument("--decode-batch", type=int, default=1,
+                        help="with --decode: sequences per data-parallel replica")
+    parser.add_argument("--tree-tokens", type=int, default=60,
+                        help="with --decode: draft-tree tokens verified per sequence")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
@@ -219,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = load_train_config(args.config, args.overrides)
         result.update(plan(cfg, args.topology, decode=args.decode,
-                           decode_batch=args.decode_batch))
+                           decode_batch=args.decode_batch, tree_tokens=args.tree_tokens))
         print(json.dumps(result) if args.json else describe(result))
 
     code = run_cli(body, debug=args.debug)

@@ -44,6 +44,14 @@ def test_compiled_plans_fit_or_refuse():
     cfg = load_preset("smollm2-135m").target
     assert p["breakdown"]["arguments"] >= cfg.num_params * 4
     assert p["flops"] > 2 * cfg.num_params * 8 * 512  # more than the target's forward
+    # Decoding: the verification forward over a full cache, on the plan's (data, tensor) mesh.
+    out = _plan("--config", "train-smollm2-135m", "--topology", "v5e-8", "--decode", "--json",
+                libtpu=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    d = json.loads(out.stdout)
+    assert d["method"] == "compiled" and d["fits"] and d["mode"] == "decode"
+    assert d["mesh"]["data"] * d["mesh"]["tensor"] == 8 and d["flops"] > 0
+    assert d["breakdown"]["arguments"] >= cfg.num_params * 4 / d["mesh"]["tensor"]
     # 70B does not fit eight 16 GiB chips: XLA refuses to allocate it, exit status 1.
     out = _plan("--config", "train-llama-3.3-70b-instruct", "--topology", "v5e-8", "--json",
                 libtpu=True)

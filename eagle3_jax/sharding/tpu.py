@@ -129,6 +129,16 @@ def train_step_flops(cfg: TargetConfig, *, tokens: int, max_len: int, ttt_steps:
     return target + tokens * (2 * 3 * d * d + ttt_steps * 3 * head)
 
 
+def verify_flops(cfg: TargetConfig, *, sequences: int, new_tokens: int, max_len: int) -> float:
+    """Matmul FLOPs of the target's forward of ``new_tokens`` per sequence over a full cache of
+    ``max_len`` slots (a draft tree's verification)."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    layer = 2 * d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + 3 * d * cfg.intermediate_size
+    per_token = 2 * (cfg.num_layers * layer + d * cfg.vocab_size) \
+        + cfg.num_layers * 4 * cfg.num_heads * hd * max_len
+    return float(sequences * new_tokens * per_token)
+
+
 def mesh_plan(cfg: TargetConfig, topology: str | Topology, mode: str, *, batch_size: int = 8,
               max_len: int = 2048, ttt_steps: int = 7, draft_vocab_size: int = 32000,
               cache_headroom: float = 0.8) -> MeshPlan:
