@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                         "allows, measured by the calibration run)")
     p.add_argument("--conversations", type=int, default=None,
                    help="answer only the N prompts with the shortest openings (default all)")
+    p.add_argument("--config", default="train-smollm2-135m",
+                   help="the training config the run starts from (the flags below override it)")
     p.add_argument("--train", nargs="*", default=[], metavar="KEY=VALUE",
                    help="further train-config overrides")
     args = p.parse_args(argv)
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     save_info()
 
     # 3. train: calibrate, then size the schedule to the time left ---------------------------
-    base = [py, "-m", "eagle3_jax.train", "--config", "train-smollm2-135m",
+    base = [py, "-m", "eagle3_jax.train", "--config", args.config,
             f"target={args.target}", f"train_data={tokens}", f"out_dir={run_dir}",
             f"batch_size={args.batch_size}", f"max_len={args.max_len}",
             f"ttt_steps={args.ttt_steps}", f"optimizer.learning_rate={args.learning_rate}",
