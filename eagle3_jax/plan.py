@@ -17,6 +17,7 @@ bad input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -56,6 +57,20 @@ def _abstract(tree, shardings):
                         tree, shardings)
 
 
+def _abstract_params(specs, mesh, mode: str, dtype: str):
+    """ShapeDtypeStructs of a target param-spec tree, placed by ``mode``'s sharding rules."""
+    import jax
+    import jax.numpy as jnp
+
+    from eagle3_jax.model.params import is_spec
+    from eagle3_jax.sharding import param_shardings
+
+    def place(spec, sharding):
+        return jax.ShapeDtypeStruct(spec.shape, jnp.dtype(dtype), sharding=sharding)
+
+    return jax.tree.map(place, specs, param_shardings(specs, mesh, mode), is_leaf=is_spec)
+
+
 def compile_train_step(cfg, tcfg, devices) -> Any:
     """The run's training step (online: the frozen target inside), lowered and compiled for
     ``devices`` with abstract arrays only. Returns the compiled executable."""
@@ -65,8 +80,8 @@ def compile_train_step(cfg, tcfg, devices) -> Any:
 
     from eagle3_jax.draft.config import DraftConfig
     from eagle3_jax.draft.params import VocabMap
-    from eagle3_jax.model.params import is_spec, param_specs
-    from eagle3_jax.sharding import make_mesh, param_shardings
+    from eagle3_jax.model.params import param_specs
+    from eagle3_jax.sharding import make_mesh
     from eagle3_jax.train.inputs import TargetInputs
     from eagle3_jax.train.loop import BATCH_AXES, MASTER_DTYPE, abstract_train_state
     from eagle3_jax.train.step import train_step
@@ -82,11 +97,7 @@ def compile_train_step(cfg, tcfg, devices) -> Any:
                                        ttt_steps=cfg.ttt_steps, dtype=MASTER_DTYPE,
                                        fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
     optimizer = cfg.optimizer.build()
-    specs = param_specs(tcfg)
-    frozen_sh = param_shardings(specs, mesh, cfg.target_sharding)
-    frozen = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, jnp.dtype(tcfg.dtype),
-                                                             sharding=sh),
-                          specs, frozen_sh, is_leaf=is_spec)
+    frozen = _abstract_params(param_specs(tcfg), mesh, cfg.target_sharding, tcfg.dtype)
     shapes, state_sh = abstract_train_state(draft_cfg, optimizer, mesh)
     state = _abstract(shapes, state_sh)
     replicated = NamedSharding(mesh, P())
@@ -116,16 +127,15 @@ def compile_verification(tcfg, devices, mesh_cfg, *, batch: int, new_tokens: int
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from eagle3_jax.model.params import is_spec, serving_specs
+    from eagle3_jax.model.params import serving_specs
     from eagle3_jax.model.target import KVCache, forward
-    from eagle3_jax.sharding import make_mesh, param_shardings
+    from eagle3_jax.sharding import make_mesh
     from eagle3_jax.sharding.mesh import KV_CACHE_K_AXES, KV_CACHE_V_AXES, named_sharding
 
     mesh = make_mesh(mesh_cfg, devices)
-    specs = serving_specs(tcfg)
+    rows = NamedSharding(mesh, P(("data", "fsdp")))  # sequences over the replicas
     dtype = jnp.dtype(tcfg.dtype)
-    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
-                          specs, param_shardings(specs, mesh, "serving"), is_leaf=is_spec)
+    params = _abstract_params(serving_specs(tcfg), mesh, "serving", tcfg.dtype)
     b, k, h = batch, tcfg.num_kv_heads, tcfg.head_dim
     k_shape, v_shape = (b, k, h, max_len), (b, k, max_len, h)
     cache = KVCache(
@@ -133,8 +143,7 @@ def compile_verification(tcfg, devices, mesh_cfg, *, batch: int, new_tokens: int
             KV_CACHE_K_AXES, k_shape, mesh)) for _ in range(tcfg.num_layers)),
         v=tuple(jax.ShapeDtypeStruct(v_shape, dtype, sharding=named_sharding(
             KV_CACHE_V_AXES, v_shape, mesh)) for _ in range(tcfg.num_layers)),
-        end=jax.ShapeDtypeStruct((b,), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp")))))
-    rows = NamedSharding(mesh, P(("data", "fsdp")))
+        end=jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rows))
     tokens = jax.ShapeDtypeStruct((b, new_tokens), jnp.int32, sharding=rows)
     mask = jax.ShapeDtypeStruct((b, new_tokens, max_len), jnp.bool_, sharding=rows)
     step = jax.jit(forward, static_argnums=1, donate_argnums=(5,))
@@ -182,7 +191,7 @@ def plan(cfg, topology_name: str, *, decode: bool = False, decode_batch: int = 1
                    "estimate leaves out XLA's temporaries, which can be several times larger",
                    fits=analytic.fits, hbm_per_chip_bytes=analytic.total,
                    breakdown=analytic.bytes_per_chip,
-                   mesh=dataclass_dict(analytic.mesh))
+                   mesh=dataclasses.asdict(analytic.mesh))
         return out
     # libtpu may expose a chip as two devices (v4 without megacore): capacity per device.
     capacity = topology.chip.hbm_bytes * topology.chips // len(devices)
@@ -208,7 +217,7 @@ def plan(cfg, topology_name: str, *, decode: bool = False, decode_batch: int = 1
         out.update(method="compiled", devices=len(devices), hbm_capacity_bytes=capacity,
                    hbm_per_chip_bytes=required, fits=False,
                    breakdown={"temporaries (at least)": required or 0},
-                   mesh=(dataclass_dict(analytic.mesh) if decode else
+                   mesh=(dataclasses.asdict(analytic.mesh) if decode else
                          dict(zip(("data", "fsdp", "tensor"), cfg.mesh.resolve(len(devices))))),
                    note="XLA: " + text[text.index("RESOURCE_EXHAUSTED"):].splitlines()[0],
                    analytic_hbm_per_chip_bytes=analytic.total)
@@ -225,12 +234,6 @@ def plan(cfg, topology_name: str, *, decode: bool = False, decode_batch: int = 1
                           "code": mem.generated_code_size_in_bytes},
                mesh=dict(mesh.shape), analytic_hbm_per_chip_bytes=analytic.total)
     return out
-
-
-def dataclass_dict(x) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(x)
 
 
 def describe(p: dict) -> str:

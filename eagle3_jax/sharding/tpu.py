@@ -90,7 +90,8 @@ class MeshPlan:
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in self.bytes_per_chip.items())
         m = self.mesh
-        return (f"{self.mode} on {self.topology.name} ({self.topology.chips} {self.topology.chip.generation} "
+        t = self.topology
+        return (f"{self.mode} on {t.name} ({t.chips} {t.chip.generation} "
                 f"chips): mesh data={m.data} fsdp={m.fsdp} tensor={m.tensor}; per chip {parts} = "
                 f"{self.total / GIB:.1f} GiB of {self.topology.chip.hbm_bytes / GIB:.0f} GiB: "
                 f"{'fits' if self.fits else 'does NOT fit'}")
@@ -106,13 +107,24 @@ def kv_bytes_per_token(cfg: TargetConfig, dtype_bytes: int = 2) -> int:
 
 
 def draft_params(cfg: TargetConfig, draft_vocab_size: int) -> int:
-    """Parameters of an EAGLE-3 head for ``cfg`` (fc over three taps, one decoder layer with a
-    2*hidden attention input, norms, its own output head); the embedding is the target's."""
+    """Parameters of the EAGLE-3 head for ``cfg`` (its param specs; the embedding is the
+    target's)."""
+    import math
+
+    from eagle3_jax.draft.config import DraftConfig
+    from eagle3_jax.draft.params import draft_param_specs
+    from eagle3_jax.model.params import is_spec
+    import jax
+
+    specs = draft_param_specs(DraftConfig.for_target(
+        cfg, draft_vocab_size=min(draft_vocab_size, cfg.vocab_size)))
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec))
+
+
+def _layer_matmul_params(cfg: TargetConfig) -> int:
+    """Weights one target layer multiplies by (q, k, v, o and the SwiGLU)."""
     d, hd = cfg.hidden_size, cfg.head_dim
-    # q, k, v read the 2*hidden input (embedding and feature); o maps back to hidden
-    attn = (2 * d) * cfg.num_heads * hd + 2 * (2 * d) * cfg.num_kv_heads * hd + cfg.num_heads * hd * d
-    mlp = 3 * d * cfg.intermediate_size
-    return 3 * d * d + attn + mlp + draft_vocab_size * d + 4 * d
+    return 2 * d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + 3 * d * cfg.intermediate_size
 
 
 def train_step_flops(cfg: TargetConfig, *, tokens: int, max_len: int, ttt_steps: int,
@@ -122,7 +134,7 @@ def train_step_flops(cfg: TargetConfig, *, tokens: int, max_len: int, ttt_steps:
     distributions) and the head's forward and backward (3x) at every TTT step, causal attention
     at half the row on average."""
     d, hd = cfg.hidden_size, cfg.head_dim
-    layer = 2 * d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + 3 * d * cfg.intermediate_size
+    layer = _layer_matmul_params(cfg)
     attn = 2 * 2 * cfg.num_heads * hd * (max_len / 2)          # scores and values, per token
     target = tokens * (2 * (cfg.num_layers * layer + d * cfg.vocab_size) + cfg.num_layers * attn)
     head = 2 * (draft_params(cfg, draft_vocab_size) - 3 * d * d) + attn * (ttt_steps + 1) / 2
@@ -132,10 +144,9 @@ def train_step_flops(cfg: TargetConfig, *, tokens: int, max_len: int, ttt_steps:
 def verify_flops(cfg: TargetConfig, *, sequences: int, new_tokens: int, max_len: int) -> float:
     """Matmul FLOPs of the target's forward of ``new_tokens`` per sequence over a full cache of
     ``max_len`` slots (a draft tree's verification)."""
-    d, hd = cfg.hidden_size, cfg.head_dim
-    layer = 2 * d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + 3 * d * cfg.intermediate_size
-    per_token = 2 * (cfg.num_layers * layer + d * cfg.vocab_size) \
-        + cfg.num_layers * 4 * cfg.num_heads * hd * max_len
+    per_token = 2 * (cfg.num_layers * _layer_matmul_params(cfg)
+                     + cfg.hidden_size * cfg.vocab_size) \
+        + cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * max_len
     return float(sequences * new_tokens * per_token)
 
 
