@@ -174,3 +174,34 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
     assert autotune.cache_path(other) != path
     monkeypatch.setattr(autotune, "code_digest", lambda: "edited-forward")
     assert autotune.cache_path(cfg) != path
+
+
+def test_break_even_is_the_rounds_cost_in_decode_steps():
+    costs = CostModel(target={1: 0.010, 2: 0.012, 8: 0.020, 64: 0.100},
+                      draft={1: 0.001, 2: 0.0015, 4: 0.002, 8: 0.004, 16: 0.008})
+    tree = TreeConfig(tree_top_k=4, depth=4, total_tokens=8)
+    # Verify 8 tokens (20 ms) + 3 levels of 4 draft tokens (3 x 2 ms) + catch-up over 5 (2.5 ms).
+    assert autotune.break_even_accept_length(costs, tree) == pytest.approx(
+        (0.020 + 3 * 0.002 + 0.0025) / 0.010)
+    choice = select_tree(costs, [0.7] * 4, tree_top_k=4, depth=4)
+    # The model's speed-up is its tau over the break-even.
+    assert choice.predicted_speedup == pytest.approx(
+        choice.expected_accept_length / autotune.break_even_accept_length(costs, choice.tree))
+
+
+def test_fallback_for_measures_each_context_bucket_once(monkeypatch):
+    calls = []
+
+    def fake_costs(target_params, cfg, head, context, **kw):
+        calls.append(context)
+        return CostModel(target={1: 0.010, 8: 0.010 + context * 1e-5},
+                         draft={w: 0.001 for w in (1, 2, 4, 8, 16)})
+
+    monkeypatch.setattr(autotune, "measure_costs", fake_costs)
+    tree = TreeConfig(tree_top_k=2, depth=3, total_tokens=8)
+    fallback = autotune.fallback_for(None, None, None, tree, probe_rounds=5)
+    short, again, long = fallback(40), fallback(100), fallback(700)
+    assert calls == [128, 1024] and short is again and short.probe_rounds == 5
+    # A longer context costs more per round, so the draft must accept more to pay.
+    # Verify 8 at a 128-token context, then 2 levels of 2 draft tokens + catch-up over 4.
+    assert long.break_even > short.break_even == pytest.approx((0.010 + 128e-5 + 0.003) / 0.010)

@@ -303,10 +303,11 @@ def _sample_pairs(params, cfg, head, prompt, sampling, samples, seed):
     return np.asarray(out.tokens)
 
 
-def _chi_square_pvalue(pairs, exact):
-    v = exact.shape[0]
-    observed = np.bincount(pairs[:, 0] * v + pairs[:, 1], minlength=v * v).astype(float)
-    expected = exact.reshape(-1) * len(pairs)
+def _chi_square_pvalue(samples, exact):
+    """samples [S, k] token tuples against the exact joint ``exact`` [V] * k."""
+    cells = np.ravel_multi_index(tuple(samples.T), exact.shape)
+    observed = np.bincount(cells, minlength=exact.size).astype(float)
+    expected = exact.reshape(-1) * len(samples)
     big = expected >= 5  # pool the rare cells into one
     obs = np.append(observed[big], observed[~big].sum())
     exp = np.append(expected[big], expected[~big].sum())
@@ -367,3 +368,104 @@ def test_chi_square_catches_a_biased_acceptance_rule(tiny_vocab_models, monkeypa
     finally:
         driver._loop_jit.clear_cache()
     assert _chi_square_pvalue(pairs, _exact_joint(params, cfg, prompt, sampling)) < 1e-6
+
+
+# ---------------------------------------------------------------------------- fallback
+
+
+def test_fallback_checks_at_probe_round_then_powers_of_two():
+    fallback = eagle_mod.Fallback(break_even=2.0, probe_rounds=6)
+    rounds = jnp.asarray([3, 3])
+    low = jnp.asarray([[0, 3, 0, 0], [0, 2, 1, 0]])  # 7 tokens in 6 rounds: below 2.0
+    high = jnp.asarray([[0, 0, 0, 3], [0, 0, 0, 3]])  # 18 tokens in 6 rounds
+    checked = [s for s in range(1, 70) if bool(fallback.gives_up(jnp.int32(s), rounds, low))]
+    assert checked == [8, 16, 32, 64]
+    assert not any(bool(fallback.gives_up(jnp.int32(s), rounds, high)) for s in range(1, 70))
+    with pytest.raises(ValueError, match="probe_rounds"):
+        eagle_mod.Fallback(break_even=2.0, probe_rounds=0)
+
+
+def test_fallback_gives_up_a_weak_draft_and_stays_lossless(models):
+    """A random head cannot reach an unreachable break-even: after the probe rounds every step
+    is a plain decode step, and the output is still plain greedy decoding's, token for token."""
+    cfg, params, head = models
+    tokens, lengths = _prompts([13, 5, 1, 9], cfg.vocab_size)
+    plain = generate(params, cfg, tokens, lengths, max_new_tokens=40)
+    out = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=40,
+                         tree=TREES["wide"], fallback=eagle_mod.Fallback(50.0, probe_rounds=4))
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.num_generated, plain.num_generated)
+    live = np.asarray(plain.num_generated) == 40  # rows that did not stop early
+    np.testing.assert_array_equal(np.asarray(out.rounds)[live], 4)
+    hist = np.asarray(out.accept_hist)
+    emitted = (hist * np.arange(hist.shape[1])).sum(1)
+    # Every token but the prefill's came from a round or a plain step (one token each).
+    np.testing.assert_array_equal(emitted + np.asarray(out.plain_steps),
+                                  np.asarray(out.num_generated) - 1)
+    assert (np.asarray(out.plain_steps)[live] > 0).all()
+
+
+@pytest.mark.parametrize("margin, gives_up", [(-0.5, False), (0.5, True)])
+def test_fallback_keeps_a_draft_that_pays(models, margin, gives_up):
+    """The oracle draft emits depth + 1 tokens a round: a break-even just below keeps it
+    drafting to the end (the same rounds as without a fallback), just above gives up."""
+    cfg, params, head = models
+    tree = TreeConfig.chain(3)
+    tokens, lengths = _prompts([9, 4], cfg.vocab_size)
+    kw = dict(max_new_tokens=1 + 12 * (tree.depth + 1), tree=tree, proposer=oracle_proposer)
+    base = generate_eagle(params, cfg, head, tokens, lengths, **kw)
+    out = generate_eagle(params, cfg, head, tokens, lengths, **kw,
+                         fallback=eagle_mod.Fallback(tree.depth + 1 + margin, probe_rounds=8))
+    np.testing.assert_array_equal(out.tokens, base.tokens)
+    if gives_up:
+        np.testing.assert_array_equal(out.rounds, [8, 8])
+        assert (np.asarray(out.plain_steps) == 4 * (tree.depth + 1)).all()
+    else:
+        np.testing.assert_array_equal(out.rounds, base.rounds)
+        np.testing.assert_array_equal(out.accept_hist, base.accept_hist)
+        assert not np.asarray(out.plain_steps).any()
+
+
+def test_fallback_streams_the_same_tokens(models):
+    cfg, params, head = models
+    tokens, lengths = _prompts([7, 11], cfg.vocab_size, seed=5)
+    kw = dict(max_new_tokens=24, tree=TREES["deep"],
+              fallback=eagle_mod.Fallback(50.0, probe_rounds=2))
+    out = generate_eagle(params, cfg, head, tokens, lengths, **kw)
+    steps = list(eagle_mod.generate_eagle_stream(params, cfg, head, tokens, lengths, **kw))
+    for row in range(2):
+        streamed = np.concatenate([step[row] for step in steps])
+        np.testing.assert_array_equal(streamed, np.asarray(out.tokens[row, :len(streamed)]))
+        assert len(streamed) == int(out.num_generated[row])
+
+
+def _exact_joint3(params, cfg, prompt, sampling):
+    """P(t1, t2, t3 | prompt) [V, V, V] under the target with the sampling rules applied."""
+    v, n = cfg.vocab_size, prompt.shape[0]
+    pairs = jnp.stack(jnp.meshgrid(jnp.arange(v), jnp.arange(v), indexing="ij"), -1)
+    seqs = jnp.concatenate([jnp.broadcast_to(prompt, (v * v, n)), pairs.reshape(-1, 2)], axis=1)
+    mask = jnp.tril(jnp.ones((n + 2, n + 2), bool))[None].repeat(v * v, 0)
+    out = _jit_forward(params, cfg, seqs, jnp.broadcast_to(jnp.arange(n + 2), (v * v, n + 2)),
+                       mask)
+    p1 = probs(out.logits[0, n - 1][None], sampling)[0]
+    p2 = probs(out.logits[::v, n], sampling)  # [t1, t2]
+    p3 = probs(out.logits[:, n + 1], sampling).reshape(v, v, v)  # [t1, t2, t3]
+    return np.asarray(p1[:, None, None] * p2[:, :, None] * p3, np.float64)
+
+
+def test_sampling_after_a_fallback_is_lossless(tiny_vocab_models):
+    """Round 1 drafts, then every step is plain: three sampled tokens (the prefill's, the
+    round's, and a plain step's where the round accepted nothing) follow the exact joint."""
+    cfg, params, head = tiny_vocab_models
+    sampling = SAMPLERS[0]
+    prompt = jnp.asarray([1, 5, 2, 7, 3], jnp.int32)
+    samples = 8000
+    out = generate_eagle(params, cfg, head, jnp.broadcast_to(prompt, (samples, 5)),
+                         jnp.full((samples,), 5, jnp.int32), max_new_tokens=3,
+                         tree=TreeConfig(tree_top_k=3, depth=2, total_tokens=6),
+                         sampling=sampling, key=jax.random.key(1),
+                         fallback=eagle_mod.Fallback(50.0, probe_rounds=1))
+    assert (np.asarray(out.num_generated) == 3).all()
+    assert np.asarray(out.plain_steps).sum() > samples // 4  # the plain step made many t3
+    exact = _exact_joint3(params, cfg, prompt, sampling)
+    assert _chi_square_pvalue(np.asarray(out.tokens), exact) > 1e-3

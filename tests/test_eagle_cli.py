@@ -273,3 +273,22 @@ def test_bench_speed_times_hf_transformers_beside(tmp_path, capsys, monkeypatch)
     assert row["tokens_per_s_hf"] > 0
     assert row["speedup_vs_hf"] == pytest.approx(row["tokens_per_s_eagle"] / row["tokens_per_s_hf"])
     assert "eagle vs HF" in captured.out
+
+
+def test_auto_tree_gives_up_drafting_where_it_does_not_pay(tiny, capsys):
+    """The chooser believes the head's (claimed) acceptance and drafts; the random head accepts
+    almost nothing on the prompt itself, so after the probe rounds the decoder gives up and
+    decodes plainly, with the same text as plain decoding. ``--force-eagle`` drafts to the end."""
+    target, head = tiny
+    _, plain, _ = run(target, capsys, "--prompt", "give up", "--max-new-tokens", "40")
+    auto = ("--prompt", "give up", "--max-new-tokens", "40", "--draft", head, "--total-tokens",
+            "auto", "--accept-rates", ",".join(["0.95"] * 8))
+    code, spec, err = run(target, capsys, *auto)
+    assert code == 0, err
+    assert spec == plain
+    assert "[fallback: at a 128-token context a round must emit" in err
+    assert "plain decode steps (drafting did not pay" in err
+    assert "8 rounds, mean accept length" in err
+    code, forced, err = run(target, capsys, *auto, "--force-eagle")
+    assert code == 0 and forced == plain, err
+    assert "[fallback:" not in err and "plain decode steps" not in err

@@ -13,7 +13,11 @@ with turn 1 and its answer in context. Reported per task (reference §5, §7):
   * with ``--hf``: ``tokens_per_s_hf``, HF transformers float32 greedy ``generate`` on the same
     prompt (interleaved), and ``speedup_vs_hf``;
   * ``identical``: every EAGLE answer equals the plain one token for token (it must, greedy;
-    None with ``--temperature`` > 0, where both sample).
+    None with ``--temperature`` > 0, where both sample);
+  * with ``--fallback`` (what the decode CLI does with its default ``auto`` tree): EAGLE gives
+    up drafting where the prompt's measured acceptance does not pay for a round here
+    (:class:`eagle3_jax.decoding.eagle.Fallback`); ``fell_back`` counts those turns. ``tau``
+    and ``accept_by_depth`` stay over the rounds that drafted.
 
 ``--draft`` defaults to the target's shipped head (``eagle3_jax.draft.shipped``).
 
@@ -88,7 +92,7 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
     tok = target.tokenizer
     warm = set() if warm is None else warm
     speeds: dict[str, list[float]] = {"vanilla": [], "eagle": [], "hf": []}
-    tokens = rounds = turns = 0
+    tokens = rounds = turns = fell_back = 0
     hist = [0] * (depth + 2)
     # Greedy EAGLE must equal plain decoding; sampled answers differ by design (None).
     identical = True if decoders["vanilla"].sampling.temperature == 0 else None
@@ -109,6 +113,7 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
                 identical &= plain.token_ids == spec.token_ids
             tokens += len(spec.token_ids)
             rounds += spec.rounds
+            fell_back += spec.plain_steps > 0
             hist = [a + b for a, b in zip(hist, spec.accept_hist)]
             turns += 1
             history.append({"role": "assistant",
@@ -130,7 +135,7 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
         "tokens_per_s_vanilla": vanilla, "tokens_per_s_eagle": eagle,
         "speedup": eagle / max(vanilla, 1e-9),
         "identical": identical, "prompts": len(conversations), "turns": turns,
-        "new_tokens": tokens, "rounds": rounds, "accept_hist": hist,
+        "new_tokens": tokens, "rounds": rounds, "accept_hist": hist, "fell_back": fell_back,
     }
 
 
@@ -138,17 +143,21 @@ def report_table(tasks: dict[str, dict], mean: dict) -> str:
     from eagle3_jax.bench.common import markdown_table
 
     with_hf = all("tokens_per_s_hf" in r for r in tasks.values())
+    with_fallback = any(r.get("fell_back") for r in tasks.values())
     rows = []
     for name, r in tasks.items():
         hf = (r["tokens_per_s_hf"], f"{r['speedup_vs_hf']:.2f}x") if with_hf else ()
+        fell = (f"{r['fell_back']}/{r['turns']}",) if with_fallback else ()
         rows.append((name, r["tau"], " / ".join(f"{a:.2f}" for a in r["accept_by_depth"]),
                      r["tokens_per_s_vanilla"], r["tokens_per_s_eagle"], f"{r['speedup']:.2f}x",
-                     *hf, {True: "yes", False: "NO", None: "(sampled)"}[r["identical"]]))
+                     *hf, *fell, {True: "yes", False: "NO", None: "(sampled)"}[r["identical"]]))
     hf_mean = ("", f"{mean['speedup_vs_hf']:.2f}x") if with_hf else ()
-    rows.append(("mean", mean["tau"], "", "", "", f"{mean['speedup']:.2f}x", *hf_mean, ""))
+    rows.append(("mean", mean["tau"], "", "", "", f"{mean['speedup']:.2f}x", *hf_mean,
+                 *(("",) if with_fallback else ()), ""))
     hf_cols = ["HF float32 tok/s", "eagle vs HF"] if with_hf else []
+    fell_cols = ["gave up drafting (turns)"] if with_fallback else []
     return markdown_table(["task", "tau", "accepted >= d drafts (d = 1..)", "vanilla tok/s",
-                           "eagle tok/s", "speed-up", *hf_cols, "identical"], rows)
+                           "eagle tok/s", "speed-up", *hf_cols, *fell_cols, "identical"], rows)
 
 
 def plot(path: Path, tasks: dict[str, dict], title: str) -> None:
@@ -190,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tree children per node (greedy decoding; not a sampling cut-off)")
     p.add_argument("--total-tokens", default=None, help="a number or 'auto'")
     p.add_argument("--accept-rates", default=None, metavar="A1,A2,...")
+    p.add_argument("--fallback", action="store_true",
+                   help="give up drafting where the measured acceptance does not pay (the "
+                        "decode CLI's default with its auto tree)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and mode")
     p.add_argument("--hf", action="store_true",
                    help="also time HF transformers float32 greedy generate on the same prompts "
@@ -252,11 +264,16 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
         from eagle3_jax.bench.forward import load_hf_reference
 
         hf_model = load_hf_reference(Path(str(target.weights)))
+    fallback = None
+    if args.fallback:
+        from eagle3_jax.decoding.autotune import fallback_for
+
+        fallback = fallback_for(target.params, target.cfg, head, tree, log=log)
     cache = CompileCache(log)
     decoders = {"vanilla": PlainDecoder(target, sampling, args.max_new_tokens, 0,
                                         compile_cache=cache),
                 "eagle": EagleDecoder(target, sampling, args.max_new_tokens, 0, head=head,
-                                      tree=tree, compile_cache=cache)}
+                                      tree=tree, compile_cache=cache, fallback=fallback)}
     log(f"[speed: {target.source} with {description}; tree tree_top_k={tree.tree_top_k} depth="
         f"{tree.depth} total_tokens={tree.total_tokens}]")
     results, warm = {}, set()
@@ -272,7 +289,8 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
     config = {"target": str(target.source), "draft": description,
               "tree": {"tree_top_k": tree.tree_top_k, "depth": tree.depth,
                        "total_tokens": tree.total_tokens},
-              "total_tokens_auto": total_tokens == "auto", "num_prompts": args.num_prompts,
+              "total_tokens_auto": total_tokens == "auto", "fallback": args.fallback,
+              "num_prompts": args.num_prompts,
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "batch_size": 1,
               "temperature": args.temperature, "seconds": round(time.perf_counter() - start, 1),
               "machine": machine_description()}

@@ -32,7 +32,10 @@ default SmolLM2 does: :mod:`eagle3_jax.draft.shipped`), whose tree is then ``aut
 ``--total-tokens`` (nodes verified per round, the root included; a number or ``auto``, see
 :mod:`eagle3_jax.decoding.autotune`) shape the draft tree; ``--tree-top-k`` is not
 ``--top-k``, which stays the sampling cut-off. With ``auto``, when no tree is predicted to beat
-plain decoding here, it decodes plainly and says so (``--force-eagle`` keeps EAGLE).
+plain decoding here, it decodes plainly and says so; when one is, the decoder measures the
+acceptance on the prompt itself and gives up drafting for the rest of the answer where a round
+emits fewer tokens than it costs in decode steps (:class:`eagle3_jax.decoding.eagle.Fallback`).
+``--force-eagle`` drafts throughout.
 ``--compare`` decodes every prompt with both modes and reports both speeds, the speed-up and
 whether the texts are identical.
 
@@ -165,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-depth acceptance rates for --total-tokens auto (default: the "
                         "head's measured ones, else 0.6*0.9^d)")
     p.add_argument("--force-eagle", action="store_true",
-                   help="with --total-tokens auto, use EAGLE even where plain is predicted faster")
+                   help="with --total-tokens auto, draft throughout: even where plain decoding "
+                        "is predicted or measured faster")
     p.add_argument("--compare", action="store_true",
                    help="decode with vanilla and eagle; report speeds, speed-up, identical text")
     p.add_argument("--batch-size", type=int, default=None,
@@ -298,6 +302,7 @@ def _run(args: argparse.Namespace, load_fn: Callable | None, head_for: Callable)
     answers = Answers(target.tokenizer, args.max_new_tokens, tuple(args.stop))
     cache = CompileCache(log)
     decoders = {}
+    fallback = None  # the auto tree's: give up drafting where the prompt's acceptance is low
     if eagle:
         from eagle3_jax.draft.load import load_head
 
@@ -315,11 +320,16 @@ def _run(args: argparse.Namespace, load_fn: Callable | None, head_for: Callable)
                 log("[decoding plainly: no draft tree is predicted to beat plain decoding on "
                     "this machine (--force-eagle keeps EAGLE)]")
                 mode, eagle = "vanilla", False
+            if eagle and not args.force_eagle:
+                from eagle3_jax.decoding.autotune import fallback_for
+
+                fallback = fallback_for(target.params, target.cfg, loaded.head, tree, log=log)
     if eagle:
         log(f"[draft tree: top_k={tree.tree_top_k} depth={tree.depth} "
             f"total_tokens={tree.total_tokens}]")
         decoders["eagle"] = EagleDecoder(target, sampling, args.max_new_tokens, args.seed,
-                                         head=loaded.head, tree=tree, compile_cache=cache)
+                                         head=loaded.head, tree=tree, compile_cache=cache,
+                                         fallback=fallback)
     if mode == "vanilla" or args.compare:
         decoders["vanilla"] = PlainDecoder(target, sampling, args.max_new_tokens, args.seed,
                                            compile_cache=cache)

@@ -76,7 +76,7 @@ def run_compare(conversations, fmt: PromptFormat, decoders: dict, batch_size: in
     """Both modes on the same prompts (the history takes EAGLE's answer); per turn a line, then
     the totals: tokens/s of each (tokens / seconds over all batches), speed-up, identical."""
     totals = {name: {"tokens": 0, "seconds": 0.0} for name in ("vanilla", "eagle")}
-    rounds, turns, identical, hist = 0, 0, 0, []
+    rounds, turns, identical, hist, fell_back = 0, 0, 0, [], 0
 
     def generate(prompts):
         pairs = {}
@@ -88,10 +88,11 @@ def run_compare(conversations, fmt: PromptFormat, decoders: dict, batch_size: in
         return list(zip(pairs["vanilla"], pairs["eagle"]))
 
     def emit(i, turn, prompt, pair, rows):
-        nonlocal rounds, turns, identical, hist
+        nonlocal rounds, turns, identical, hist, fell_back
         plain, spec = pair
         same = plain.token_ids == spec.token_ids
         rounds, turns, identical = rounds + spec.rounds, turns + 1, identical + same
+        fell_back += spec.plain_steps > 0
         hist = [a + b for a, b in zip(hist or [0] * len(spec.accept_hist), spec.accept_hist)]
         eagle_record, plain_record = answers.record(spec), answers.record(plain)
         if as_json:
@@ -115,6 +116,9 @@ def run_compare(conversations, fmt: PromptFormat, decoders: dict, batch_size: in
                f"tokens/s, speed-up {speed['eagle'] / max(speed['vanilla'], 1e-9):.2f}x; "
                f"mean accept length {mean_accept_length(hist):.2f} over {rounds} rounds; "
                f"identical texts {identical}/{turns}")
+    if fell_back:
+        summary += (f"; gave up drafting on {fell_back}/{turns} turns (it did not pay there) "
+                    f"and decoded the rest plainly")
     if as_json:
         log(summary)  # stdout stays one JSON object per turn
     else:
@@ -153,8 +157,13 @@ def stream_answer(decoder, prompt: list[int], answers: Answers, out: TextIO | No
             else 0.0)
     extra = ""
     if decoder.counts_rounds and steps > 1:
-        extra = (f"; {steps - 1} rounds, mean accept length "
-                 f"{round_tokens / (steps - 1):.2f}")
+        # Steps after a fallback (the decoder gave up drafting) are plain: one token each.
+        rounds, plain = decoder.stream_rounds, decoder.stream_plain_steps
+        extra = (f"; {rounds} rounds, mean accept length "
+                 f"{(round_tokens - plain) / max(rounds, 1):.2f}")
+        if plain:
+            extra += (f"; then {plain} plain decode steps (drafting did not pay: it accepted "
+                      f"too little for the cost of a round here)")
     log(f"[{tokens} tokens in {end - start:.2f} s; first token after "
         f"{(first_at or end) - start:.2f} s (prefill, compilation on first use); "
         f"decoding {rate:.1f} tokens/s{extra}]")

@@ -42,6 +42,7 @@ import numpy as np
 
 from eagle3_jax.decoding.acceptance import Rate, candidate_scores, rates_for_depth
 from eagle3_jax.decoding.costs import forward_curve, measure_draft_steps
+from eagle3_jax.decoding.eagle import Fallback
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.kernels import library
@@ -84,14 +85,17 @@ class CostModel:
 
 # EAGLE is chosen only where the model predicts at least this speed-up. The model takes the
 # head's acceptance from its held-out set (regenerated ShareGPT, whose greedy answers repeat
-# more than the benchmark sets' and are easier to draft) and leaves out the round's own work.
-# Predicted -> measured (`bench speed --total-tokens auto`, shipped SmolLM2 heads, MT-bench):
-# 1.17 -> 0.91x, 1.16 -> 0.80x, 1.30 -> 0.97x (900-step head, 1-token chain), and for the
-# 2954-step head 1.88 -> 1.10x on MT-bench, 0.98x over the five sets, 0.79x on long-prompt
-# summarisation (tree 4/4/8: the round's cost was modelled within 10%, its tau 3.07 against
-# 2.0 measured). The acceptance gap grows with the head's quality, so the margin is 2.0 until
-# the chooser models the acceptance on the user's kind of prompts (measured while decoding).
-MIN_PREDICTED_SPEEDUP = 2.0
+# more than the benchmark sets' and are easier to draft). Predicted -> measured
+# (`bench speed --total-tokens auto`, shipped SmolLM2 heads, MT-bench): 1.17 -> 0.91x,
+# 1.16 -> 0.80x, 1.30 -> 0.97x (900-step head, 1-token chain), and for the 2954-step head
+# 1.88 -> 1.10x on MT-bench, 0.98x over the five sets, 0.79x on long-prompt summarisation
+# (tree 4/4/8: the round's cost was modelled within 10%, its tau 3.07 against 2.0 measured).
+# So the prediction only decides whether drafting is worth a try: the decoder then measures
+# the acceptance on the user's own prompt and gives up where it does not pay
+# (:func:`fallback_for`, :class:`eagle3_jax.decoding.eagle.Fallback`), which bounds a wrong
+# try to its first probe rounds.
+MIN_PREDICTED_SPEEDUP = 1.1
+PROBE_ROUNDS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +129,13 @@ class TreeChoice:
                      f"than a decode step on this device, or the head accepts too little "
                      f"(--mode vanilla is faster)")
         return text
+
+
+def break_even_accept_length(costs: CostModel, tree: TreeConfig) -> float:
+    """Tokens a round of ``tree`` must emit to match plain decoding: the round's modelled
+    seconds (verification forward + draft steps) over one decode step's."""
+    return ((costs.target_cost(tree.total_tokens) + costs.draft_cost(tree.depth, tree.tree_top_k))
+            / costs.target_cost(1))
 
 
 def select_tree(costs: CostModel, rates: Sequence[Rate] | None = None, *,
@@ -261,3 +272,22 @@ def autotune_tree(target_params, cfg, head, prompt_length: int, *,
     costs = measure_costs(target_params, cfg, head, autotune_context(prompt_length),
                           directory=directory, log=log)
     return select_tree(costs, accept_rates, tree_top_k=tree_top_k, depth=depth)
+
+
+def fallback_for(target_params, cfg, head, tree: TreeConfig, *,
+                 probe_rounds: int = PROBE_ROUNDS, directory: str | Path | None = None,
+                 log: Callable[[str], None] = lambda s: None) -> Callable[[int], Fallback]:
+    """``fallback(prompt_width) -> Fallback``: the break-even acceptance of ``tree`` at that
+    context, from the costs measured there (once per machine, model and context bucket; the
+    verification forward reads a longer cache for longer prompts)."""
+
+    @functools.lru_cache(maxsize=None)
+    def at_context(context: int) -> Fallback:
+        costs = measure_costs(target_params, cfg, head, context, directory=directory, log=log)
+        fallback = Fallback(break_even_accept_length(costs, tree), probe_rounds)
+        log(f"[fallback: at a {context}-token context a round must emit "
+            f"{fallback.break_even:.2f} tokens to beat plain decoding; checked from round "
+            f"{probe_rounds}]")
+        return fallback
+
+    return lambda prompt_width: at_context(autotune_context(prompt_width))

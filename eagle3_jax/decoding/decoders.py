@@ -5,7 +5,9 @@ once per shape through an explicit :class:`CompileCache` (shared by the decoders
 e.g. the two of ``--compare``), and draws a fresh key per call from its seed.
 
 * :class:`PlainDecoder`: plain autoregressive decoding.
-* :class:`EagleDecoder`: EAGLE-3 speculative decoding with a draft head and a tree.
+* :class:`EagleDecoder`: EAGLE-3 speculative decoding with a draft head and a tree, and
+  optionally a fallback that gives up drafting where it does not pay
+  (:class:`eagle3_jax.decoding.eagle.Fallback`).
 
 ``target`` is anything with ``cfg``, ``params`` and ``tokenizer`` (``eos_token_ids``,
 ``pad_token_id``), e.g. :class:`eagle3_jax.checkpoints.LoadedTarget`.
@@ -22,7 +24,7 @@ import jax
 from eagle3_jax.decoding import driver
 from eagle3_jax.decoding.acceptance import mean_accept_length
 from eagle3_jax.decoding.batching import PaddedPrompts, pad_prompts
-from eagle3_jax.decoding.eagle import eagle_decoding
+from eagle3_jax.decoding.eagle import Fallback, eagle_decoding
 from eagle3_jax.decoding.generate import plain_decoding
 from eagle3_jax.decoding.sampling import SamplingParams
 from eagle3_jax.decoding.tree import TreeConfig
@@ -32,21 +34,22 @@ from eagle3_jax.draft.params import DraftHead
 @dataclasses.dataclass
 class Generation:
     """One row's result: generated ids (EOS excluded), whether EOS ended it, the wall time of
-    the batched call; EAGLE adds its verification rounds and ``accept_hist`` (index j: rounds
-    that emitted j tokens)."""
+    the batched call; EAGLE adds its verification rounds, ``accept_hist`` (index j: rounds
+    that emitted j tokens) and ``plain_steps`` (decode steps after it gave up drafting)."""
 
     token_ids: list[int]
     hit_eos: bool
     seconds: float
     rounds: int | None = None
     accept_hist: list[int] | None = None
+    plain_steps: int = 0
 
     def eagle_fields(self) -> dict:
         if self.rounds is None:
             return {}
         return {"rounds": self.rounds,
                 "mean_accept_length": round(mean_accept_length(self.accept_hist), 4),
-                "accept_hist": self.accept_hist}
+                "accept_hist": self.accept_hist, "plain_steps": self.plain_steps}
 
 
 class CompileCache:
@@ -121,8 +124,12 @@ class PlainDecoder:
         """The tokens of each step (the prefill's first, then one per step or round)."""
         batch = self._pad([prompt], pad_batch=False)
         spec, params = self._spec(batch)
-        for rows in driver.stream(spec, params, batch.tokens, batch.lengths, self._next_key()):
+        for rows in driver.stream(spec, params, batch.tokens, batch.lengths, self._next_key(),
+                                  on_step=self._on_stream_step):
             yield [int(t) for t in rows[0]]
+
+    def _on_stream_step(self, state) -> None:
+        """What a decoder notes about each streamed step (nothing here)."""
 
 
 class EagleDecoder(PlainDecoder):
@@ -134,21 +141,34 @@ class EagleDecoder(PlainDecoder):
     """
 
     name = "eagle"
-    counts_rounds = True  # every stream step after the prefill is one verification round
+    counts_rounds = True  # stream steps after the prefill are rounds (plain after a fallback)
 
     def __init__(self, target: Any, sampling: SamplingParams, max_new_tokens: int, seed: int,
-                 *, head: DraftHead, tree: TreeConfig, compile_cache: CompileCache | None = None):
+                 *, head: DraftHead, tree: TreeConfig, compile_cache: CompileCache | None = None,
+                 fallback: Callable[[int], Fallback] | None = None):
+        """``fallback(prompt_width) -> Fallback`` (e.g.
+        :func:`eagle3_jax.decoding.autotune.fallback_for`): when to give up drafting, per padded
+        prompt width; None drafts to the end."""
         super().__init__(target, sampling, max_new_tokens, seed, compile_cache=compile_cache)
-        self.head, self.tree = head, tree
+        self.head, self.tree, self.fallback = head, tree, fallback
 
     def _spec(self, batch: PaddedPrompts):
+        fallback = self.fallback(batch.tokens.shape[1]) if self.fallback else None
         spec, _, _ = eagle_decoding(self.target.cfg, self.head, batch.tokens, batch.lengths,
                                     max_new_tokens=self.max_new_tokens, tree=self.tree,
                                     sampling=self.sampling,
-                                    eos_token_ids=self.target.tokenizer.eos_token_ids)
+                                    eos_token_ids=self.target.tokenizer.eos_token_ids,
+                                    fallback=fallback)
         return spec, (self.target.params, self.head)
+
+    def _on_stream_step(self, state) -> None:
+        """The streamed prompt's rounds and plain steps so far (``stream_rounds``,
+        ``stream_plain_steps``): after a fallback the steps are no longer rounds."""
+        rounds, plain_steps = jax.device_get((state.rounds[0], state.plain_steps[0]))
+        self.stream_rounds, self.stream_plain_steps = int(rounds), int(plain_steps)
 
     def _generation(self, out, i: int, seconds: float) -> Generation:
         gen = super()._generation(out, i, seconds)
         return dataclasses.replace(gen, rounds=int(out.rounds[i]),
-                                   accept_hist=out.accept_hist[i].tolist())
+                                   accept_hist=out.accept_hist[i].tolist(),
+                                   plain_steps=int(out.plain_steps[i]))

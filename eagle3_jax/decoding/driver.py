@@ -25,7 +25,7 @@ the limit. :func:`check_prompts` is the one argument check of every decoder.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -151,12 +151,17 @@ def compile_run(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths:
 
 
 def stream(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
-           key: jax.Array) -> Iterator[list[np.ndarray]]:
+           key: jax.Array, on_step: Callable[[Any], None] | None = None
+           ) -> Iterator[list[np.ndarray]]:
     """Yield after the prefill and after every step: per row, the int32 tokens emitted in that
-    step (empty when none). Costs one small device-to-host copy per step."""
+    step (empty when none). Costs one small device-to-host copy per step. ``on_step(state)``,
+    when given, sees each state (the prefill's, then every step's) before its tokens are
+    yielded."""
     state = _prefill_jit(decoding, params, prompt_tokens, prompt_lengths, key)
     produced = np.zeros(prompt_tokens.shape[0], np.int64)
     while True:
+        if on_step is not None:
+            on_step(state)
         out, count, done = jax.device_get((state.out.tokens, state.out.num_generated,
                                            state.out.done))
         yield [out[i, produced[i]:count[i]] for i in range(out.shape[0])]

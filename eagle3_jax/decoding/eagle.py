@@ -15,11 +15,20 @@ Invariant between rounds: the target cache and the draft cache hold the same ``e
 target holds x_0..x_{n-1}; the draft holds pairs (f_s, x_{s+1}) for s < n, where x_n is the
 root (already emitted, not yet fed to the target). Emitted per round: the a accepted draft
 tokens and the bonus token, a + 1 tokens (the acceptance length).
+
+With a :class:`Fallback` the loop measures what it is paying for: at round ``probe_rounds`` and
+every power of two after it, when the tokens emitted per round so far (over all live rows) fall
+below ``break_even`` (one round's measured cost in decode steps), it stops drafting and every
+later step is a plain decode step (the target's forward of the root, the same function plain
+decoding runs), for the whole batch, until the end. The draft's state is then left stale; the
+output stays exactly the target's (greedy: identical to plain decoding; sampled: the target's
+distribution).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -38,7 +47,31 @@ from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache, fuse_ta
 from eagle3_jax.draft.params import DraftHead
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import Params
-from eagle3_jax.model.target import KVCache, causal_mask, prefill
+from eagle3_jax.model.target import KVCache, causal_mask, forward, prefill
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """When EAGLE gives up drafting (module docstring).
+
+    break_even: tokens a round must emit to beat plain decoding, i.e. a round's cost over a
+      decode step's (:func:`eagle3_jax.decoding.autotune.break_even_accept_length`).
+    probe_rounds: the first check; later checks at every power of two after it.
+    """
+
+    break_even: float
+    probe_rounds: int = 8
+
+    def __post_init__(self):
+        if self.probe_rounds < 1:
+            raise ValueError(f"probe_rounds must be >= 1, got {self.probe_rounds}")
+
+    def gives_up(self, step, rounds, accept_hist):
+        """[] bool: check now (step a power of two >= probe_rounds) and the measured tokens per
+        round (``accept_hist`` [B, W + 1] over ``rounds`` [B]) are below break-even."""
+        checkpoint = (step >= self.probe_rounds) & ((step & (step - 1)) == 0)
+        emitted = jnp.sum(accept_hist * jnp.arange(accept_hist.shape[1])[None, :])
+        return checkpoint & (emitted < self.break_even * jnp.sum(rounds))
 
 
 @struct.dataclass
@@ -52,21 +85,25 @@ class EagleState:
     out: Emitted  # emitted tokens [B, N] and stop flags
     rounds: jax.Array  # [B] rounds each row took part in
     accept_hist: jax.Array  # [B, W + 1] count of rounds that emitted j tokens
-    step: jax.Array  # [] rounds so far (any row)
+    step: jax.Array  # [] rounds and plain steps so far (any row)
     key: jax.Array
+    plain: jax.Array  # [] bool: gave up drafting (Fallback); every later step is plain
+    plain_steps: jax.Array  # [B] plain decode steps each row took part in
 
 
 @struct.dataclass
 class EagleOutput:
     """tokens [B, max_new_tokens] (-1 padded, EOS excluded), num_generated [B], hit_eos [B],
     rounds [B] verification rounds per row, accept_hist [B, depth + 2]: rounds that emitted
-    j tokens (accepted drafts + 1, less an EOS or tokens past max_new_tokens)."""
+    j tokens (accepted drafts + 1, less an EOS or tokens past max_new_tokens), plain_steps [B]:
+    plain decode steps after a :class:`Fallback` gave up drafting (one token each)."""
 
     tokens: jax.Array
     num_generated: jax.Array
     hit_eos: jax.Array
     rounds: jax.Array
     accept_hist: jax.Array
+    plain_steps: jax.Array
 
 
 def _draft_extend(head: DraftHead, embed, taps, next_tokens, count, draft_k, draft_v, end):
@@ -114,7 +151,8 @@ def _prefill(target_params, head: DraftHead, prompt_tokens, prompt_lengths, key,
     return EagleState(
         cache=cache, draft_k=draft_k, draft_v=draft_v, root=first, root_logp=root_logp,
         root_h=root_h, out=out, rounds=jnp.zeros((b,), jnp.int32),
-        accept_hist=jnp.zeros((b, width + 1), jnp.int32), step=jnp.zeros((), jnp.int32), key=key)
+        accept_hist=jnp.zeros((b, width + 1), jnp.int32), step=jnp.zeros((), jnp.int32), key=key,
+        plain=jnp.zeros((), bool), plain_steps=jnp.zeros((b,), jnp.int32))
 
 
 def draft_proposer(target_params, head: DraftHead, state: EagleState, cfg: TargetConfig,
@@ -171,6 +209,27 @@ def _round(target_params, head: DraftHead, state: EagleState, *, cfg: TargetConf
         step=step, out=out)
 
 
+def _plain_step(target_params, state: EagleState, *, cfg: TargetConfig, tree_cfg: TreeConfig,
+                sampling, eos_token_ids) -> EagleState:
+    """One plain decode step (after a Fallback): feed the root at slot ``end``, sample the next
+    token from the target, emit it; the draft's state is not touched (it is not used again)."""
+    cache = state.cache
+    active = ~state.out.done
+    out = forward(target_params, cfg, state.root[:, None], cache.end[:, None],
+                  causal_mask(cache.end, 1, cache.max_len), cache)
+    step = state.step + 1
+    token = sample(jax.random.fold_in(state.key, step), out.logits[:, 0], sampling)
+    cache = dataclasses.replace(out.cache, end=cache.end + active.astype(jnp.int32))
+    emitted = append_tokens(state.out, token[:, None], jnp.ones_like(cache.end), active,
+                            eos_token_ids)
+    # The same stop rule as a round's, so a row ends where it would have under EAGLE.
+    emitted = emitted.stop_where(cache.end + tree_cfg.total_tokens + tree_cfg.depth + 1
+                                 > cache.max_len)
+    return dataclasses.replace(state, cache=cache, root=jnp.where(active, token, state.root),
+                               out=emitted, step=step,
+                               plain_steps=state.plain_steps + active.astype(jnp.int32))
+
+
 @dataclasses.dataclass(frozen=True)
 class EagleDecoding:
     """EAGLE-3 decoding as a driver spec (:mod:`eagle3_jax.decoding.driver`); its ``params``
@@ -183,6 +242,7 @@ class EagleDecoding:
     sampling: SamplingParams = SamplingParams()
     eos_token_ids: tuple[int, ...] = ()
     proposer: Callable = draft_proposer
+    fallback: Fallback | None = None
 
     def prefill(self, params, prompt_tokens, prompt_lengths, key) -> EagleState:
         target_params, head = params
@@ -193,14 +253,27 @@ class EagleDecoding:
 
     def step(self, params, state: EagleState) -> EagleState:
         target_params, head = params
-        return _round(target_params, head, state, cfg=self.cfg, tree_cfg=self.tree,
-                      sampling=self.sampling, eos_token_ids=self.eos_token_ids,
-                      proposer=self.proposer)
+
+        def eagle_round(state):
+            state = _round(target_params, head, state, cfg=self.cfg, tree_cfg=self.tree,
+                           sampling=self.sampling, eos_token_ids=self.eos_token_ids,
+                           proposer=self.proposer)
+            if self.fallback is None:
+                return state
+            gives_up = self.fallback.gives_up(state.step, state.rounds, state.accept_hist)
+            return dataclasses.replace(state, plain=state.plain | gives_up)
+
+        if self.fallback is None:
+            return eagle_round(state)
+        plain_step = functools.partial(_plain_step, target_params, cfg=self.cfg,
+                                       tree_cfg=self.tree, sampling=self.sampling,
+                                       eos_token_ids=self.eos_token_ids)
+        return jax.lax.cond(state.plain, plain_step, eagle_round, state)
 
     def output(self, state: EagleState) -> EagleOutput:
         return EagleOutput(tokens=state.out.tokens, num_generated=state.out.num_generated,
                            hit_eos=state.out.hit_eos, rounds=state.rounds,
-                           accept_hist=state.accept_hist)
+                           accept_hist=state.accept_hist, plain_steps=state.plain_steps)
 
 
 def eagle_cache_size(cfg: TargetConfig, prompt_width: int, max_new_tokens: int,
@@ -222,7 +295,8 @@ def eagle_cache_size(cfg: TargetConfig, prompt_width: int, max_new_tokens: int,
 def eagle_decoding(cfg: TargetConfig, head: DraftHead, prompt_tokens, prompt_lengths, *,
                    max_new_tokens: int, tree: TreeConfig = TreeConfig(),
                    sampling: SamplingParams = SamplingParams(), eos_token_ids: Sequence[int] = (),
-                   max_len: int | None = None, proposer=draft_proposer):
+                   max_len: int | None = None, proposer=draft_proposer,
+                   fallback: Fallback | None = None):
     """(EagleDecoding, tokens, lengths) after the driver's one argument check (the same as
     plain decoding's) and the head's fit to the target."""
     head.cfg.check_fits(cfg)
@@ -230,7 +304,7 @@ def eagle_decoding(cfg: TargetConfig, head: DraftHead, prompt_tokens, prompt_len
         cfg, prompt_tokens, prompt_lengths, max_new_tokens, max_len,
         lambda width: eagle_cache_size(cfg, width, max_new_tokens, tree))
     spec = EagleDecoding(cfg, tree, int(max_new_tokens), max_len, sampling,
-                         eos_tuple(eos_token_ids), proposer)
+                         eos_tuple(eos_token_ids), proposer, fallback)
     return spec, tokens, lengths
 
 
@@ -248,16 +322,18 @@ def generate_eagle(
     eos_token_ids: Sequence[int] = (),
     max_len: int | None = None,
     proposer=draft_proposer,
+    fallback: Fallback | None = None,
 ) -> EagleOutput:
     """Speculative generation with an EAGLE-3 head, one jitted call (see module docstring).
 
-    Args mirror :func:`eagle3_jax.decoding.generate`; ``tree`` sets the draft tree shape.
-    Output tokens equal plain decoding's for greedy sampling, and follow the target's exact
-    distribution otherwise.
+    Args mirror :func:`eagle3_jax.decoding.generate`; ``tree`` sets the draft tree shape,
+    ``fallback`` when to give up drafting (None: never). Output tokens equal plain decoding's
+    for greedy sampling, and follow the target's exact distribution otherwise.
     """
     spec, tokens, lengths = eagle_decoding(
         cfg, head, prompt_tokens, prompt_lengths, max_new_tokens=max_new_tokens, tree=tree,
-        sampling=sampling, eos_token_ids=eos_token_ids, max_len=max_len, proposer=proposer)
+        sampling=sampling, eos_token_ids=eos_token_ids, max_len=max_len, proposer=proposer,
+        fallback=fallback)
     key = jax.random.PRNGKey(0) if key is None else key
     return driver.run(spec, (target_params, head), tokens, lengths, key)
 
@@ -265,15 +341,15 @@ def generate_eagle(
 def compile_generate_eagle(target_params, cfg: TargetConfig, head: DraftHead, prompt_tokens,
                            prompt_lengths, *, max_new_tokens: int, tree: TreeConfig = TreeConfig(),
                            sampling: SamplingParams = SamplingParams(),
-                           eos_token_ids: Sequence[int] = (), max_len: int | None = None
-                           ) -> Callable[..., EagleOutput]:
+                           eos_token_ids: Sequence[int] = (), max_len: int | None = None,
+                           fallback: Fallback | None = None) -> Callable[..., EagleOutput]:
     """Compile :func:`generate_eagle` ahead of time for these shapes (compilation timed apart).
 
     Returns ``run(target_params, head, prompt_tokens, prompt_lengths, key) -> EagleOutput``.
     """
     spec, tokens, lengths = eagle_decoding(
         cfg, head, prompt_tokens, prompt_lengths, max_new_tokens=max_new_tokens, tree=tree,
-        sampling=sampling, eos_token_ids=eos_token_ids, max_len=max_len)
+        sampling=sampling, eos_token_ids=eos_token_ids, max_len=max_len, fallback=fallback)
     compiled = driver.compile_run(spec, (target_params, head), tokens, lengths)
 
     def run(target_params, head, prompt_tokens, prompt_lengths, key) -> EagleOutput:
@@ -289,7 +365,8 @@ def generate_eagle_stream(target_params, cfg: TargetConfig, head: DraftHead, pro
                           prompt_lengths, *, max_new_tokens: int, tree: TreeConfig = TreeConfig(),
                           sampling: SamplingParams = SamplingParams(),
                           key: jax.Array | None = None, eos_token_ids: Sequence[int] = (),
-                          max_len: int | None = None) -> Iterator[list[np.ndarray]]:
+                          max_len: int | None = None, fallback: Fallback | None = None
+                          ) -> Iterator[list[np.ndarray]]:
     """Like :func:`generate_eagle`, but yields after the prefill and after every round.
 
     Each item holds, per row, the int32 tokens emitted in that step (empty when none). The same
@@ -298,6 +375,6 @@ def generate_eagle_stream(target_params, cfg: TargetConfig, head: DraftHead, pro
     """
     spec, tokens, lengths = eagle_decoding(
         cfg, head, prompt_tokens, prompt_lengths, max_new_tokens=max_new_tokens, tree=tree,
-        sampling=sampling, eos_token_ids=eos_token_ids, max_len=max_len)
+        sampling=sampling, eos_token_ids=eos_token_ids, max_len=max_len, fallback=fallback)
     key = jax.random.PRNGKey(0) if key is None else key
     yield from driver.stream(spec, (target_params, head), tokens, lengths, key)
