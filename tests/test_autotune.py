@@ -192,16 +192,20 @@ def test_break_even_is_the_rounds_cost_in_decode_steps():
 def test_fallback_for_measures_each_context_bucket_once(monkeypatch):
     calls = []
 
-    def fake_costs(target_params, cfg, head, context, **kw):
-        calls.append(context)
-        return CostModel(target={1: 0.010, 8: 0.010 + context * 1e-5},
+    def fake_costs(target_params, cfg, head, context, batch=1, **kw):
+        calls.append((context, batch))
+        # B rows: plain's step costs B times a little, a round's verification B times more.
+        return CostModel(target={1: 0.010 + batch * 1e-4, 8: 0.010 + context * 1e-5 * batch},
                          draft={w: 0.001 for w in (1, 2, 4, 8, 16)})
 
     monkeypatch.setattr(autotune, "measure_costs", fake_costs)
     tree = TreeConfig(tree_top_k=2, depth=3, total_tokens=8)
     fallback = autotune.fallback_for(None, None, None, tree, probe_rounds=5)
-    short, again, long = fallback(40), fallback(100), fallback(700)
-    assert calls == [128, 1024] and short is again and short.probe_rounds == 5
+    short, again, long, batched = fallback(40), fallback(100), fallback(700), fallback(40, 8)
+    assert calls == [(128, 1), (1024, 1), (128, 8)]
+    assert short is again and short.probe_rounds == 5
+    assert batched.break_even > short.break_even
     # A longer context costs more per round, so the draft must accept more to pay.
     # Verify 8 at a 128-token context, then 2 levels of 2 draft tokens + catch-up over 4.
-    assert long.break_even > short.break_even == pytest.approx((0.010 + 128e-5 + 0.003) / 0.010)
+    assert long.break_even > short.break_even == pytest.approx(
+        (0.010 + 128e-5 + 0.003) / 0.0101)

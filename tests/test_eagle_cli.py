@@ -292,3 +292,21 @@ def test_auto_tree_gives_up_drafting_where_it_does_not_pay(tiny, capsys):
     code, forced, err = run(target, capsys, *auto, "--force-eagle")
     assert code == 0 and forced == plain, err
     assert "[fallback:" not in err and "plain decode steps" not in err
+
+
+def test_auto_tree_at_batch_two_measures_that_batch(tiny, tmp_path, capsys):
+    """--json decodes prompts in batches: the costs (and so the break-even) are the padded
+    batch's, and the JSON says how many plain steps each answer took after giving up."""
+    target, head = tiny
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("one", "two two")))
+    common = ("--prompts-file", str(path), "--json", "--max-new-tokens", "40")
+    _, plain, _ = run(target, capsys, *common)
+    code, out, err = run(target, capsys, *common, "--draft", head, "--total-tokens", "auto",
+                         "--accept-rates", ",".join(["0.95"] * 8))
+    assert code == 0, err
+    assert "context and 2 rows a round must emit" in err
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["token_ids"] for r in records] == [json.loads(line)["token_ids"]
+                                                 for line in plain.splitlines()]
+    assert all(r["rounds"] == 8 and r["plain_steps"] > 0 for r in records)

@@ -111,13 +111,15 @@ def resolve_tree(total_tokens, tree_top_k: int | None, depth: int | None):
 
 
 def autotune(target, loaded_head, prompt_length: int, tree_top_k: int | None, depth: int | None,
-             accept_rates: list[float] | None):
-    """The autotuned TreeChoice (measured costs, the head's or the given acceptance rates)."""
+             accept_rates: list[float] | None, batch: int = 1):
+    """The autotuned TreeChoice for a padded batch of ``batch`` rows (measured costs, the
+    head's or the given acceptance rates)."""
     from eagle3_jax.decoding.autotune import autotune_tree
 
     rates = accept_rates or loaded_head.accept_rates
     choice = autotune_tree(target.params, target.cfg, loaded_head.head, prompt_length,
-                           accept_rates=rates, tree_top_k=tree_top_k, depth=depth, log=log)
+                           batch=batch, accept_rates=rates, tree_top_k=tree_top_k, depth=depth,
+                           log=log)
     source = ("--accept-rates" if accept_rates else "the head's" if rates
               else "default profile 0.6*0.9^d")
     log(f"[autotune ({source} acceptance rates): {choice.describe()}]")
@@ -246,6 +248,16 @@ def _check_flags(args: argparse.Namespace, head_for: Callable[[str | None], Any]
     return mode
 
 
+def _padded_batch(args, conversations) -> int:
+    """The rows of the first decoding batch (padded to a power of two, as the decoders pad):
+    1 when streaming or chatting, else up to --batch-size prompts."""
+    from eagle3_jax.decoding.batching import bucket
+
+    if not (args.json or args.compare):
+        return 1
+    return bucket(min(args.batch_size or DEFAULT_BATCH_SIZE, max(len(conversations), 1)), 1)
+
+
 def _load_target(args, load_fn):
     start = time.perf_counter()
     if load_fn is not None:
@@ -314,7 +326,7 @@ def _run(args: argparse.Namespace, load_fn: Callable | None, head_for: Callable)
                 {"role": "user", "content": conversations[0][0] if conversations else "Hi"}],
                 "prompt 0")
             choice = autotune(target, loaded, len(first), args.tree_top_k, args.depth,
-                              accept_rates)
+                              accept_rates, batch=_padded_batch(args, conversations))
             tree = choice.tree
             if not choice.pays_off and not (args.force_eagle or args.compare):
                 log("[decoding plainly: no draft tree is predicted to beat plain decoding on "

@@ -20,7 +20,9 @@ The model (batch 1, greedy)::
   the default profile ``a_d = 0.6 * 0.9**d``. Depths past the given list continue the last
   rates times 0.9 per level.
 
-Costs are cached per machine and model in ``$EAGLE3_JAX_HOME/autotune/<key>.json``, key a hash
+Costs are measured at the batch that will run (a padded batch of B rows verifies B trees in one
+forward, and plain decoding's step also serves B rows), and cached per machine and model in
+``$EAGLE3_JAX_HOME/autotune/<key>.json``, key a hash
 of the platform, device kind, target config, JAX version and the source of the code being timed
 (``COST_SOURCES``: a faster forward must not be judged by old numbers); draft steps are stored
 under a hash of the draft config inside the same file. A flat cost curve (accelerators, memory
@@ -228,28 +230,30 @@ def _write(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def measure_costs(target_params, cfg, head, context: int, *, repeats: int = 5,
+def measure_costs(target_params, cfg, head, context: int, *, batch: int = 1, repeats: int = 5,
                   sizes: Sequence[int] = TARGET_SIZES, widths: Sequence[int] = DRAFT_WIDTHS,
                   directory: str | Path | None = None,
                   log: Callable[[str], None] = lambda s: None) -> CostModel:
-    """Measured (or cached) costs for ``context`` on this machine; writes the cache file."""
+    """Measured (or cached) costs for ``context`` and ``batch`` rows on this machine (seconds
+    of one call for the whole batch); writes the cache file."""
     path = cache_path(cfg, directory)
     data = _read(path)
     data.setdefault("key", machine_key(cfg))
-    ctx = str(int(context))
+    ctx = str(int(context)) if batch == 1 else f"{int(context)}x{int(batch)}"
+    rows = "" if batch == 1 else f" for {batch} rows"
     target = data.setdefault("target", {}).setdefault(ctx, {})
     missing = [t for t in sizes if str(t) not in target]
     if missing:
-        log(f"[autotune: timing target forwards of {missing} tokens at context {context}]")
-        target.update({str(t): s for t, s in forward_curve(target_params, cfg, int(context),
-                                                           missing, repeats).items()})
+        log(f"[autotune: timing target forwards of {missing} tokens at context {context}{rows}]")
+        target.update({str(t): s for t, s in forward_curve(
+            target_params, cfg, int(context), missing, repeats, batch=batch).items()})
     dkey = _digest(head.cfg.to_dict())
     draft = data.setdefault("draft", {}).setdefault(dkey, {}).setdefault(ctx, {})
     missing_w = [w for w in widths if str(w) not in draft]
     if missing_w:
-        log(f"[autotune: timing draft steps of {missing_w} tokens]")
+        log(f"[autotune: timing draft steps of {missing_w} tokens{rows}]")
         draft.update({str(w): s for w, s in measure_draft_steps(
-            head, target_params["embed"], int(context), missing_w, repeats).items()})
+            head, target_params["embed"], int(context), missing_w, repeats, batch=batch).items()})
     if missing or missing_w:
         _write(path, data)
         log(f"[autotune: wrote {path}]")
@@ -264,30 +268,34 @@ def autotune_context(prompt_length: int) -> int:
     return bucket(max(int(prompt_length), 1), 128)
 
 
-def autotune_tree(target_params, cfg, head, prompt_length: int, *,
+def autotune_tree(target_params, cfg, head, prompt_length: int, *, batch: int = 1,
                   accept_rates: Sequence[Rate] | None = None, tree_top_k: int | None = None,
                   depth: int | None = None, directory: str | Path | None = None,
                   log: Callable[[str], None] = lambda s: None) -> TreeChoice:
-    """Measure (once per machine, model and context bucket) and pick the tree."""
+    """Measure (once per machine, model, context bucket and batch) and pick the tree for a
+    padded batch of ``batch`` rows."""
     costs = measure_costs(target_params, cfg, head, autotune_context(prompt_length),
-                          directory=directory, log=log)
+                          batch=batch, directory=directory, log=log)
     return select_tree(costs, accept_rates, tree_top_k=tree_top_k, depth=depth)
 
 
 def fallback_for(target_params, cfg, head, tree: TreeConfig, *,
                  probe_rounds: int = PROBE_ROUNDS, directory: str | Path | None = None,
-                 log: Callable[[str], None] = lambda s: None) -> Callable[[int], Fallback]:
-    """``fallback(prompt_width) -> Fallback``: the break-even acceptance of ``tree`` at that
-    context, from the costs measured there (once per machine, model and context bucket; the
-    verification forward reads a longer cache for longer prompts)."""
+                 log: Callable[[str], None] = lambda s: None) -> Callable[[int, int], Fallback]:
+    """``fallback(prompt_width, batch) -> Fallback``: the break-even acceptance of ``tree`` at
+    that context and padded batch, from the costs measured there (once per machine, model,
+    context bucket and batch: the verification forward reads a longer cache for longer prompts,
+    and B rows verify B trees in one forward)."""
 
     @functools.lru_cache(maxsize=None)
-    def at_context(context: int) -> Fallback:
-        costs = measure_costs(target_params, cfg, head, context, directory=directory, log=log)
+    def at(context: int, batch: int) -> Fallback:
+        costs = measure_costs(target_params, cfg, head, context, batch=batch,
+                              directory=directory, log=log)
         fallback = Fallback(break_even_accept_length(costs, tree), probe_rounds)
-        log(f"[fallback: at a {context}-token context a round must emit "
+        rows = "" if batch == 1 else f" and {batch} rows"
+        log(f"[fallback: at a {context}-token context{rows} a round must emit "
             f"{fallback.break_even:.2f} tokens to beat plain decoding; checked from round "
             f"{probe_rounds}]")
         return fallback
 
-    return lambda prompt_width: at_context(autotune_context(prompt_width))
+    return lambda prompt_width, batch=1: at(autotune_context(prompt_width), int(batch))

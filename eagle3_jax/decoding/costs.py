@@ -4,9 +4,10 @@ The tree chooser (:mod:`eagle3_jax.decoding.autotune`) and the benchmarks
 (``python -m eagle3_jax.bench forward``) time the same functions, defined here:
 
 * :func:`forward_curve`: median seconds of one target forward over T new tokens appended after
-  ``context`` cached tokens (T = 1 is plain decoding's step), optionally with the per-token time
-  of a jitted greedy decode loop (:func:`decode_loop`).
-* :func:`measure_draft_steps`: median seconds of one draft step over w tokens.
+  ``context`` cached tokens (T = 1 is plain decoding's step), for a batch of rows, optionally
+  with the per-token time of a jitted greedy decode loop (:func:`decode_loop`).
+* :func:`measure_draft_steps`: median seconds of one draft step over w tokens (per row of a
+  batch).
 * :func:`interleaved_medians`: named functions run round-robin, so machine noise hits all alike.
 """
 
@@ -77,15 +78,17 @@ def decode_loop(params, cache, token, cfg, steps):
 
 
 def forward_curve(params, cfg, context: int, sizes, repeats: int,
-                  loop_steps: int = 0) -> dict[int | str, float]:
-    """Median seconds of a forward over ``T in sizes`` new tokens after ``context`` cached; with
-    ``loop_steps``, also the seconds per token of :func:`decode_loop` (key "loop")."""
+                  loop_steps: int = 0, batch: int = 1) -> dict[int | str, float]:
+    """Median seconds of a forward over ``T in sizes`` new tokens after ``context`` cached, for
+    ``batch`` rows; with ``loop_steps``, also the seconds per token of :func:`decode_loop`
+    (key "loop", batch 1)."""
     max_len = context + max(max(sizes), loop_steps)
     caches = {}
     fns = {}
     for t in sizes:
-        caches[t] = KVCache.zeros(cfg, 1, max_len).replace(end=jnp.full((1,), context, jnp.int32))
-        tokens = jnp.ones((1, t), jnp.int32)
+        caches[t] = KVCache.zeros(cfg, batch, max_len).replace(
+            end=jnp.full((batch,), context, jnp.int32))
+        tokens = jnp.ones((batch, t), jnp.int32)
 
         def run(t=t, tokens=tokens):
             logits, caches[t] = forward_step(params, caches[t], tokens, cfg)
@@ -107,17 +110,18 @@ def forward_curve(params, cfg, context: int, sizes, repeats: int,
 
 
 def measure_draft_steps(head, embed, context: int, widths: Sequence[int],
-                        repeats: int) -> dict[int, float]:
-    """Median seconds of one draft step over w tokens after ``context`` cached entries."""
+                        repeats: int, batch: int = 1) -> dict[int, float]:
+    """Median seconds of one draft step over w tokens per row, ``batch`` rows, after
+    ``context`` cached entries."""
     dcfg = head.cfg
     slots = context + max(widths)
-    cache_k, cache_v = empty_draft_cache(dcfg, 1, slots)
+    cache_k, cache_v = empty_draft_cache(dcfg, batch, slots)
     step = jax.jit(functools.partial(draft_step_cached, cfg=dcfg))
     fns = {}
     for w in widths:
-        tokens = jnp.ones((1, w), jnp.int32)
-        g = jnp.zeros((1, w, dcfg.hidden_size), jnp.dtype(dcfg.dtype))
-        pos = context + jnp.arange(w, dtype=jnp.int32)[None]
+        tokens = jnp.ones((batch, w), jnp.int32)
+        g = jnp.zeros((batch, w, dcfg.hidden_size), jnp.dtype(dcfg.dtype))
+        pos = jnp.broadcast_to(context + jnp.arange(w, dtype=jnp.int32)[None], (batch, w))
         mask = jnp.arange(slots)[None, None, :] <= pos[:, :, None]
 
         def run(tokens=tokens, g=g, pos=pos, mask=mask):

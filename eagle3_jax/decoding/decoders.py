@@ -145,15 +145,15 @@ class EagleDecoder(PlainDecoder):
 
     def __init__(self, target: Any, sampling: SamplingParams, max_new_tokens: int, seed: int,
                  *, head: DraftHead, tree: TreeConfig, compile_cache: CompileCache | None = None,
-                 fallback: Callable[[int], Fallback] | None = None):
-        """``fallback(prompt_width) -> Fallback`` (e.g.
+                 fallback: Callable[[int, int], Fallback] | None = None):
+        """``fallback(prompt_width, batch) -> Fallback`` (e.g.
         :func:`eagle3_jax.decoding.autotune.fallback_for`): when to give up drafting, per padded
-        prompt width; None drafts to the end."""
+        prompt width and batch; None drafts to the end."""
         super().__init__(target, sampling, max_new_tokens, seed, compile_cache=compile_cache)
         self.head, self.tree, self.fallback = head, tree, fallback
 
     def _spec(self, batch: PaddedPrompts):
-        fallback = self.fallback(batch.tokens.shape[1]) if self.fallback else None
+        fallback = self.fallback(*batch.tokens.shape[::-1]) if self.fallback else None
         spec, _, _ = eagle_decoding(self.target.cfg, self.head, batch.tokens, batch.lengths,
                                     max_new_tokens=self.max_new_tokens, tree=self.tree,
                                     sampling=self.sampling,
