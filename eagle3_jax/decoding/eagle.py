@@ -40,6 +40,7 @@ from eagle3_jax.decoding import driver
 from eagle3_jax.decoding.batching import bucket
 from eagle3_jax.decoding.driver import (Emitted, GenerationError, append_tokens, check_prompts,
                                         eos_tuple)
+from eagle3_jax.decoding.generate import decode_step
 from eagle3_jax.decoding.sampling import SamplingParams, sample
 from eagle3_jax.decoding.tree import TreeConfig, build_tree
 from eagle3_jax.decoding.verify import accept, commit_path, verify_forward
@@ -47,7 +48,7 @@ from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache, fuse_ta
 from eagle3_jax.draft.params import DraftHead
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import Params
-from eagle3_jax.model.target import KVCache, causal_mask, forward, prefill
+from eagle3_jax.model.target import KVCache, causal_mask, prefill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,13 +214,10 @@ def _plain_step(target_params, state: EagleState, *, cfg: TargetConfig, tree_cfg
                 sampling, eos_token_ids) -> EagleState:
     """One plain decode step (after a Fallback): feed the root at slot ``end``, sample the next
     token from the target, emit it; the draft's state is not touched (it is not used again)."""
-    cache = state.cache
     active = ~state.out.done
-    out = forward(target_params, cfg, state.root[:, None], cache.end[:, None],
-                  causal_mask(cache.end, 1, cache.max_len), cache)
     step = state.step + 1
-    token = sample(jax.random.fold_in(state.key, step), out.logits[:, 0], sampling)
-    cache = dataclasses.replace(out.cache, end=cache.end + active.astype(jnp.int32))
+    token, cache = decode_step(target_params, cfg, state.cache, state.root, active,
+                               jax.random.fold_in(state.key, step), sampling)
     emitted = append_tokens(state.out, token[:, None], jnp.ones_like(cache.end), active,
                             eos_token_ids)
     # The same stop rule as a round's, so a row ends where it would have under EAGLE.

@@ -66,6 +66,18 @@ class GenerateOutput:
     steps: jax.Array
 
 
+def decode_step(params: Params, cfg: TargetConfig, cache: KVCache, token: jax.Array,
+                active: jax.Array, key: jax.Array, sampling: SamplingParams
+                ) -> tuple[jax.Array, KVCache]:
+    """One decode step: feed ``token`` [B] at slot ``cache.end``, sample the next token [B];
+    the cache's ``end`` moves on for ``active`` [B] rows only. Plain decoding's step, and
+    EAGLE's once it gives up drafting (:class:`eagle3_jax.decoding.eagle.Fallback`)."""
+    out = forward(params, cfg, token[:, None], cache.end[:, None],
+                  causal_mask(cache.end, 1, cache.max_len), cache)
+    next_token = sample(key, out.logits[:, 0], sampling)
+    return next_token, dataclasses.replace(out.cache, end=cache.end + active.astype(jnp.int32))
+
+
 @dataclasses.dataclass(frozen=True)
 class PlainDecoding:
     """Plain decoding of ``cfg`` as a driver spec (see :mod:`eagle3_jax.decoding.driver`)."""
@@ -96,13 +108,10 @@ class PlainDecoding:
 
     def step(self, params: Params, state: DecodeState) -> DecodeState:
         """Feed each row's last token at slot ``end``, advance live rows by one, sample next."""
-        cache = state.cache
         active = ~state.out.done
-        out = forward(params, self.cfg, state.last_token[:, None], cache.end[:, None],
-                      causal_mask(cache.end, 1, cache.max_len), cache)
         step = state.step + 1
-        token = sample(jax.random.fold_in(state.key, step), out.logits[:, 0], self.sampling)
-        cache = dataclasses.replace(out.cache, end=cache.end + active.astype(jnp.int32))
+        token, cache = decode_step(params, self.cfg, state.cache, state.last_token, active,
+                                   jax.random.fold_in(state.key, step), self.sampling)
         return self._emit(dataclasses.replace(state, cache=cache, step=step), token, active)
 
     def output(self, state: DecodeState) -> GenerateOutput:
