@@ -189,23 +189,48 @@ def test_break_even_is_the_rounds_cost_in_decode_steps():
         choice.expected_accept_length / autotune.break_even_accept_length(costs, choice.tree))
 
 
-def test_fallback_for_measures_each_context_bucket_once(monkeypatch):
+def _tiny_target_and_head():
+    cfg = TargetConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                       num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
+                       max_position_embeddings=256)
+    params = to_serving(init_params(cfg, jax.random.key(0), scale=0.3), cfg)
+    dcfg = DraftConfig.for_target(cfg, draft_vocab_size=32)
+    head = DraftHead(init_draft_params(dcfg, jax.random.key(1)),
+                     VocabMap.from_used_ids(np.arange(0, 64, 2), 64), dcfg)
+    return cfg, params, head
+
+
+def test_fallback_breaks_even_at_the_measured_round_over_the_plain_step(tmp_path, monkeypatch):
+    """The break-even is a whole round's measured time over a plain step's, per context bucket
+    and batch, measured once per machine (cached on disk) and once per process."""
+    cfg, params, head = _tiny_target_and_head()
+    monkeypatch.setenv("EAGLE3_JAX_HOME", str(tmp_path))
     calls = []
 
-    def fake_costs(target_params, cfg, head, context, batch=1, **kw):
+    def fake_round(target_params, cfg, head, tree, context, repeats, batch=1):
         calls.append((context, batch))
-        # B rows: plain's step costs B times a little, a round's verification B times more.
-        return CostModel(target={1: 0.010 + batch * 1e-4, 8: 0.010 + context * 1e-5 * batch},
-                         draft={w: 0.001 for w in (1, 2, 4, 8, 16)})
+        return {"round": 0.020 + context * 1e-5 * batch, "step": 0.010 + batch * 1e-4}
 
-    monkeypatch.setattr(autotune, "measure_costs", fake_costs)
+    monkeypatch.setattr(autotune, "measure_round", fake_round)
     tree = TreeConfig(tree_top_k=2, depth=3, total_tokens=8)
-    fallback = autotune.fallback_for(None, None, None, tree, probe_rounds=5)
+    fallback = autotune.fallback_for(params, cfg, head, tree, probe_rounds=5)
     short, again, long, batched = fallback(40), fallback(100), fallback(700), fallback(40, 8)
     assert calls == [(128, 1), (1024, 1), (128, 8)]
     assert short is again and short.probe_rounds == 5
-    assert batched.break_even > short.break_even
-    # A longer context costs more per round, so the draft must accept more to pay.
-    # Verify 8 at a 128-token context, then 2 levels of 2 draft tokens + catch-up over 4.
-    assert long.break_even > short.break_even == pytest.approx(
-        (0.010 + 128e-5 + 0.003) / 0.0101)
+    assert short.break_even == pytest.approx((0.020 + 128e-5) / 0.0101)
+    # Longer contexts and more rows cost a round more than a step: the draft must accept more.
+    assert long.break_even > short.break_even and batched.break_even > short.break_even
+    # A new process (a new fallback_for) reads the measurements back from the cache.
+    assert autotune.fallback_for(params, cfg, head, tree)(40).break_even == short.break_even
+    assert len(calls) == 3
+
+
+def test_a_measured_round_costs_more_than_a_plain_step():
+    """The real timing on a tiny model: a round drafts, verifies 8 tokens and commits, so it
+    costs more than one plain step of the same loop."""
+    from eagle3_jax.decoding.costs import measure_round
+
+    cfg, params, head = _tiny_target_and_head()
+    times = measure_round(params, cfg, head, TreeConfig(tree_top_k=2, depth=3, total_tokens=8),
+                          16, repeats=3)
+    assert set(times) == {"round", "step"} and times["round"] > times["step"] > 0

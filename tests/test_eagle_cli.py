@@ -286,7 +286,7 @@ def test_auto_tree_gives_up_drafting_where_it_does_not_pay(tiny, capsys):
     code, spec, err = run(target, capsys, *auto)
     assert code == 0, err
     assert spec == plain
-    assert "[fallback: at a 128-token context a round must emit" in err
+    assert "[fallback: at a 128-token context a round takes" in err
     assert "plain decode steps (drafting did not pay" in err
     assert "8 rounds, mean accept length" in err
     code, forced, err = run(target, capsys, *auto, "--force-eagle")
@@ -305,7 +305,7 @@ def test_auto_tree_at_batch_two_measures_that_batch(tiny, tmp_path, capsys):
     code, out, err = run(target, capsys, *common, "--draft", head, "--total-tokens", "auto",
                          "--accept-rates", ",".join(["0.95"] * 8))
     assert code == 0, err
-    assert "context and 2 rows a round must emit" in err
+    assert "context and 2 rows a round takes" in err
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["token_ids"] for r in records] == [json.loads(line)["token_ids"]
                                                  for line in plain.splitlines()]

@@ -43,7 +43,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from eagle3_jax.decoding.acceptance import Rate, candidate_scores, rates_for_depth
-from eagle3_jax.decoding.costs import forward_curve, measure_draft_steps
+from eagle3_jax.decoding.costs import forward_curve, measure_draft_steps, measure_round
 from eagle3_jax.decoding.eagle import Fallback
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.errors import Eagle3Error
@@ -184,7 +184,8 @@ def _digest(obj) -> str:
 
 # The code whose speed the cost model measures (paths under the package).
 COST_SOURCES = ("model/target.py", "model/layers.py", "model/params.py", "draft/model.py",
-                "decoding/tree.py", "decoding/costs.py", "kernels/matmul.py",
+                "decoding/tree.py", "decoding/costs.py", "decoding/eagle.py",
+                "decoding/verify.py", "decoding/generate.py", "kernels/matmul.py",
                 "kernels/attention.py", *library.SOURCES)
 
 
@@ -279,22 +280,45 @@ def autotune_tree(target_params, cfg, head, prompt_length: int, *, batch: int = 
     return select_tree(costs, accept_rates, tree_top_k=tree_top_k, depth=depth)
 
 
+def measure_round_cost(target_params, cfg, head, tree: TreeConfig, context: int, *,
+                       batch: int = 1, repeats: int = 7, directory: str | Path | None = None,
+                       log: Callable[[str], None] = lambda s: None) -> dict[str, float]:
+    """Measured (or cached) seconds of one whole round of ``tree`` and of one plain decode step
+    (:func:`eagle3_jax.decoding.costs.measure_round`) at ``context`` and ``batch``."""
+    path = cache_path(cfg, directory)
+    data = _read(path)
+    data.setdefault("key", machine_key(cfg))
+    where = (f"{_digest(head.cfg.to_dict())}/{tree.tree_top_k}-{tree.depth}-"
+             f"{tree.total_tokens}/{int(context)}x{int(batch)}")
+    cached = data.setdefault("round", {}).get(where)
+    if cached is None:
+        log(f"[autotune: timing whole rounds of tree {tree.tree_top_k}/{tree.depth}/"
+            f"{tree.total_tokens} against plain steps at context {context}]")
+        cached = data["round"][where] = measure_round(target_params, cfg, head, tree,
+                                                      int(context), repeats, batch=batch)
+        _write(path, data)
+    return {"round": float(cached["round"]), "step": float(cached["step"])}
+
+
 def fallback_for(target_params, cfg, head, tree: TreeConfig, *,
                  probe_rounds: int = PROBE_ROUNDS, directory: str | Path | None = None,
                  log: Callable[[str], None] = lambda s: None) -> Callable[[int, int], Fallback]:
     """``fallback(prompt_width, batch) -> Fallback``: the break-even acceptance of ``tree`` at
-    that context and padded batch, from the costs measured there (once per machine, model,
-    context bucket and batch: the verification forward reads a longer cache for longer prompts,
-    and B rows verify B trees in one forward)."""
+    that context and padded batch: a whole round's measured seconds over a plain step's
+    (:func:`measure_round_cost`, once per machine, model, tree, context bucket and batch: the
+    verification forward reads a longer cache for longer prompts, and B rows verify B trees in
+    one forward; the tree chooser's model leaves out the round's own work, about a tenth of it
+    on this CPU, which is exactly the margin that decides a prompt near break-even)."""
 
     @functools.lru_cache(maxsize=None)
     def at(context: int, batch: int) -> Fallback:
-        costs = measure_costs(target_params, cfg, head, context, batch=batch,
-                              directory=directory, log=log)
-        fallback = Fallback(break_even_accept_length(costs, tree), probe_rounds)
+        cost = measure_round_cost(target_params, cfg, head, tree, context, batch=batch,
+                                  directory=directory, log=log)
+        fallback = Fallback(cost["round"] / cost["step"], probe_rounds)
         rows = "" if batch == 1 else f" and {batch} rows"
-        log(f"[fallback: at a {context}-token context{rows} a round must emit "
-            f"{fallback.break_even:.2f} tokens to beat plain decoding; checked from round "
+        log(f"[fallback: at a {context}-token context{rows} a round takes "
+            f"{cost['round'] * 1e3:.1f} ms and a plain step {cost['step'] * 1e3:.1f} ms, so a "
+            f"round must emit {fallback.break_even:.2f} tokens to pay; checked from round "
             f"{probe_rounds}]")
         return fallback
 

@@ -8,6 +8,8 @@ The tree chooser (:mod:`eagle3_jax.decoding.autotune`) and the benchmarks
   with the per-token time of a jitted greedy decode loop (:func:`decode_loop`).
 * :func:`measure_draft_steps`: median seconds of one draft step over w tokens (per row of a
   batch).
+* :func:`measure_round`: median seconds of one whole EAGLE round (draft the tree, verify,
+  accept, commit) against one whole plain decode step, as the decoding loops run them.
 * :func:`interleaved_medians`: named functions run round-robin, so machine noise hits all alike.
 """
 
@@ -129,3 +131,37 @@ def measure_draft_steps(head, embed, context: int, widths: Sequence[int],
                         mask=mask, cache_k=cache_k, cache_v=cache_v, write_slots=pos)
         fns[w] = run
     return interleaved_medians(fns, repeats, warmup=1)
+
+
+def measure_round(target_params, cfg, head, tree, context: int, repeats: int,
+                  batch: int = 1) -> dict[str, float]:
+    """Median seconds of one EAGLE round of ``tree`` ("round": the decoding loop's whole step:
+    draft the tree, verify, accept, commit the path, catch the draft up) and of one plain
+    decode step ("step", the plain loop's), for ``batch`` rows of ``context`` prompt tokens,
+    interleaved. Their ratio is the tokens a round must emit to pay: what the model of
+    :mod:`eagle3_jax.decoding.autotune` leaves out (the round's own work) included."""
+    from eagle3_jax.decoding import driver
+    from eagle3_jax.decoding.eagle import eagle_decoding
+    from eagle3_jax.decoding.generate import plain_decoding
+
+    # Room for every timed call's tokens where the model's context allows (a row that stops
+    # early still runs through both loops' steps: the shapes are static).
+    room = cfg.max_position_embeddings - (tree.total_tokens + tree.depth + 2)
+    max_new = min((repeats + 3) * (tree.depth + 1) + 2, max(room // 2, 1))
+    context = max(1, min(int(context), room - max_new))
+    tokens = jnp.ones((batch, context), jnp.int32)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    key = jax.random.PRNGKey(0)
+    eagle, _, _ = eagle_decoding(cfg, head, tokens, lengths, max_new_tokens=max_new, tree=tree)
+    plain, _, _ = plain_decoding(cfg, tokens, lengths, max_new_tokens=max_new)
+    runs = {"round": (eagle, (target_params, head)), "step": (plain, target_params)}
+    states = {name: driver.start(spec, params, tokens, lengths, key)
+              for name, (spec, params) in runs.items()}
+
+    def call(name):
+        spec, params = runs[name]
+        states[name] = driver.advance(spec, params, states[name])
+        return states[name].out.num_generated
+
+    return interleaved_medians({name: functools.partial(call, name) for name in runs}, repeats,
+                               warmup=2)

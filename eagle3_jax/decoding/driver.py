@@ -137,6 +137,17 @@ _step_jit = jax.jit(lambda decoding, params, state: decoding.step(params, state)
                     static_argnames=("decoding",), donate_argnames=("state",))
 
 
+def start(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+          key: jax.Array):
+    """The state after the prefill (jitted apart, as :func:`stream` runs it)."""
+    return _prefill_jit(decoding, params, prompt_tokens, prompt_lengths, key)
+
+
+def advance(decoding, params: Any, state):
+    """One step / round of every row (jitted apart; ``state`` is donated)."""
+    return _step_jit(decoding, params, state)
+
+
 def run(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
         key: jax.Array):
     """Generate in one jitted call; returns ``decoding.output(final state)``."""
@@ -157,7 +168,7 @@ def stream(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths: jax.
     step (empty when none). Costs one small device-to-host copy per step. ``on_step(state)``,
     when given, sees each state (the prefill's, then every step's) before its tokens are
     yielded."""
-    state = _prefill_jit(decoding, params, prompt_tokens, prompt_lengths, key)
+    state = start(decoding, params, prompt_tokens, prompt_lengths, key)
     produced = np.zeros(prompt_tokens.shape[0], np.int64)
     while True:
         if on_step is not None:
@@ -168,7 +179,7 @@ def stream(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths: jax.
         produced = count.astype(np.int64)
         if done.all():
             return
-        state = _step_jit(decoding, params, state)
+        state = advance(decoding, params, state)
 
 
 def eos_tuple(eos_token_ids: Sequence[int]) -> tuple[int, ...]:
