@@ -176,17 +176,16 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
     assert autotune.cache_path(cfg) != path
 
 
-def test_break_even_is_the_rounds_cost_in_decode_steps():
+def test_predicted_speedup_is_tau_over_the_rounds_cost_in_decode_steps():
     costs = CostModel(target={1: 0.010, 2: 0.012, 8: 0.020, 64: 0.100},
                       draft={1: 0.001, 2: 0.0015, 4: 0.002, 8: 0.004, 16: 0.008})
-    tree = TreeConfig(tree_top_k=4, depth=4, total_tokens=8)
-    # Verify 8 tokens (20 ms) + 3 levels of 4 draft tokens (3 x 2 ms) + catch-up over 5 (2.5 ms).
-    assert autotune.break_even_accept_length(costs, tree) == pytest.approx(
-        (0.020 + 3 * 0.002 + 0.0025) / 0.010)
     choice = select_tree(costs, [0.7] * 4, tree_top_k=4, depth=4)
-    # The model's speed-up is its tau over the break-even.
-    assert choice.predicted_speedup == pytest.approx(
-        choice.expected_accept_length / autotune.break_even_accept_length(costs, choice.tree))
+    tree = choice.tree
+    # Verify T tokens + 3 levels of 4 draft tokens (3 x 2 ms) + catch-up over 5 (2.5 ms).
+    seconds = costs.target_cost(tree.total_tokens) + 3 * 0.002 + 0.0025
+    assert choice.seconds_per_round == pytest.approx(seconds)
+    assert choice.predicted_speedup == pytest.approx(choice.expected_accept_length
+                                                     / (seconds / 0.010))
 
 
 def _tiny_target_and_head():

@@ -133,13 +133,6 @@ class TreeChoice:
         return text
 
 
-def break_even_accept_length(costs: CostModel, tree: TreeConfig) -> float:
-    """Tokens a round of ``tree`` must emit to match plain decoding: the round's modelled
-    seconds (verification forward + draft steps) over one decode step's."""
-    return ((costs.target_cost(tree.total_tokens) + costs.draft_cost(tree.depth, tree.tree_top_k))
-            / costs.target_cost(1))
-
-
 def select_tree(costs: CostModel, rates: Sequence[Rate] | None = None, *,
                 tree_top_k: int | None = None, depth: int | None = None,
                 tree_top_ks: Sequence[int] = TOP_KS, depths: Sequence[int] = DEPTHS) -> TreeChoice:

@@ -56,7 +56,7 @@ class Fallback:
     """When EAGLE gives up drafting (module docstring).
 
     break_even: tokens a round must emit to beat plain decoding, i.e. a round's cost over a
-      decode step's (:func:`eagle3_jax.decoding.autotune.break_even_accept_length`).
+      decode step's (measured: :func:`eagle3_jax.decoding.autotune.fallback_for`).
     probe_rounds: the first check; later checks at every power of two after it.
     """
 
