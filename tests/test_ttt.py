@@ -176,6 +176,29 @@ def test_training_logits_equal_inference_step_by_step(eagle31):
                                        rtol=1e-5, err_msg=f"t={t} depth={depth}")
 
 
+@pytest.mark.parametrize("eagle31", [False, True])
+def test_outputs_at_one_position_equal_the_full_steps(eagle31):
+    """``outputs_at`` (the decoder's prefill and catch-up: one output per row) writes the same
+    cache as the full step and gives the full step's output at that position."""
+    cfg, params, embed, batch = _setup(steps=2, eagle31=eagle31)
+    b, slots = 2, T + 3
+    tokens = jnp.asarray(batch.tokens[:b])
+    g = fuse_taps(params, cfg, batch.taps[:b])
+    positions = jnp.broadcast_to(jnp.arange(T), (b, T))
+    mask = jnp.asarray(np.tril(np.ones((T, slots), bool), 0)[None].repeat(b, 0))
+    cache = empty_draft_cache(cfg, b, slots)
+    args = (params, cfg, embed[tokens], g, positions, mask, *cache, positions)
+    h, logits, ck, cv = draft_step_cached(*args)
+    at = jnp.asarray([T - 1, 5])
+    h1, logits1, ck1, cv1 = draft_step_cached(*args, outputs_at=at)
+    assert h1.shape == (b, 1, cfg.hidden_size) and logits1.shape == (b, 1, logits.shape[-1])
+    np.testing.assert_array_equal(ck1, ck)
+    np.testing.assert_array_equal(cv1, cv)
+    rows = np.arange(b)
+    np.testing.assert_allclose(h1[:, 0], np.asarray(h)[rows, at], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(logits1[:, 0], np.asarray(logits)[rows, at], atol=2e-5, rtol=1e-5)
+
+
 def test_padding_and_documents_are_not_scored():
     cfg, params, embed, batch = _setup(steps=2)
     _, metrics = ttt_forward(params, cfg, embed, batch, loss_mask="reference")

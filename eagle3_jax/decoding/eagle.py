@@ -119,11 +119,8 @@ def _draft_extend(head: DraftHead, embed, taps, next_tokens, count, draft_k, dra
     g = fuse_taps(head.params, head.cfg, taps)
     h, logits, draft_k, draft_v = draft_step_cached(
         head.params, head.cfg, jnp.take(embed, jnp.maximum(next_tokens, 0), axis=0), g,
-        positions, mask, draft_k, draft_v, positions)
-    last = jnp.maximum(count - 1, 0)[:, None]
-    root_h = jnp.take_along_axis(h, last[:, :, None], axis=1)[:, 0]
-    root_logp = jax.nn.log_softmax(jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0])
-    return root_h, root_logp, draft_k, draft_v
+        positions, mask, draft_k, draft_v, positions, outputs_at=jnp.maximum(count - 1, 0))
+    return h[:, 0], jax.nn.log_softmax(logits[:, 0]), draft_k, draft_v
 
 
 def _prefill(target_params, head: DraftHead, prompt_tokens, prompt_lengths, key, *, cfg,

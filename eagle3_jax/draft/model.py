@@ -90,7 +90,8 @@ def empty_draft_cache(cfg: DraftConfig, batch: int, slots: int) -> tuple[jax.Arr
 
 def draft_step_cached(params: Params, cfg: DraftConfig, embeds: jax.Array, g: jax.Array,
                       positions: jax.Array, mask: jax.Array, cache_k: jax.Array,
-                      cache_v: jax.Array, write_slots: jax.Array):
+                      cache_v: jax.Array, write_slots: jax.Array,
+                      outputs_at: jax.Array | None = None):
     """One draft step at inference over a KV cache.
 
     Args:
@@ -98,12 +99,18 @@ def draft_step_cached(params: Params, cfg: DraftConfig, embeds: jax.Array, g: ja
       mask: [B, T, S] bool over cache slots (after this step's keys are written).
       cache_k: [B, K, H, S]; cache_v: [B, K, S, H] (``empty_draft_cache``).
       write_slots: [B, T] slots for this step's keys.
+      outputs_at: [B] one position per row, or None (all T): every position's keys and values
+        enter the cache, but the layer's output (attention, MLP, output head) is computed at
+        these positions only (T' = 1 below). A prefill over a long prompt then pays for one
+        output, not one per prompt token.
     Returns:
-      (the next step's feature [B, T, D] (:func:`next_feature`), logits [B, T, Vd], cache_k,
+      (the next step's feature [B, T', D] (:func:`next_feature`), logits [B, T', Vd], cache_k,
       cache_v).
     """
     q, k, v = project_qkv(params, cfg, embeds, g, positions)
     rows = jnp.arange(k.shape[0])[:, None]
     cache_k, cache_v = write_kv(cache_k, cache_v, rows, write_slots, k, v)  # k, v [B, T, K, H]
+    if outputs_at is not None:
+        q, g, mask = (a[rows[:, 0], outputs_at][:, None] for a in (q, g, mask))
     h = finish_layer(params, cfg, g, attention(q, [(cache_k, cache_v, mask)]))
     return next_feature(params, cfg, h), draft_logits(params, cfg, h), cache_k, cache_v
