@@ -143,7 +143,7 @@ def test_better_heads_and_cheaper_drafts_grow_the_tree():
     assert select_tree(costs, [0.9], depth=2).tree.depth == 2
 
 
-def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
+def _tiny_target_and_head():
     cfg = TargetConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
                        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
                        max_position_embeddings=256)
@@ -151,6 +151,11 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
     dcfg = DraftConfig.for_target(cfg, draft_vocab_size=32)
     head = DraftHead(init_draft_params(dcfg, jax.random.key(1)),
                      VocabMap.from_used_ids(np.arange(0, 64, 2), 64), dcfg)
+    return cfg, params, head
+
+
+def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
+    cfg, params, head = _tiny_target_and_head()
     monkeypatch.setenv("EAGLE3_JAX_HOME", str(tmp_path))
     kw = dict(repeats=1, sizes=(1, 4), widths=(1, 2))
     costs = autotune.measure_costs(params, cfg, head, 16, **kw)
@@ -186,17 +191,6 @@ def test_predicted_speedup_is_tau_over_the_rounds_cost_in_decode_steps():
     assert choice.seconds_per_round == pytest.approx(seconds)
     assert choice.predicted_speedup == pytest.approx(choice.expected_accept_length
                                                      / (seconds / 0.010))
-
-
-def _tiny_target_and_head():
-    cfg = TargetConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
-                       num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
-                       max_position_embeddings=256)
-    params = to_serving(init_params(cfg, jax.random.key(0), scale=0.3), cfg)
-    dcfg = DraftConfig.for_target(cfg, draft_vocab_size=32)
-    head = DraftHead(init_draft_params(dcfg, jax.random.key(1)),
-                     VocabMap.from_used_ids(np.arange(0, 64, 2), 64), dcfg)
-    return cfg, params, head
 
 
 def test_fallback_breaks_even_at_the_measured_round_over_the_plain_step(tmp_path, monkeypatch):

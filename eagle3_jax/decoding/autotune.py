@@ -44,7 +44,7 @@ import numpy as np
 
 from eagle3_jax.decoding.acceptance import Rate, candidate_scores, rates_for_depth
 from eagle3_jax.decoding.costs import forward_curve, measure_draft_steps, measure_round
-from eagle3_jax.decoding.eagle import Fallback
+from eagle3_jax.decoding.eagle import PROBE_ROUNDS, Fallback
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.kernels import library
@@ -97,7 +97,6 @@ class CostModel:
 # (:func:`fallback_for`, :class:`eagle3_jax.decoding.eagle.Fallback`), which bounds a wrong
 # try to its first probe rounds.
 MIN_PREDICTED_SPEEDUP = 1.1
-PROBE_ROUNDS = 8
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,6 +51,9 @@ from eagle3_jax.model.params import Params
 from eagle3_jax.model.target import KVCache, causal_mask, prefill
 
 
+PROBE_ROUNDS = 8  # the fallback's first check (tokens per round are noisy before that)
+
+
 @dataclasses.dataclass(frozen=True)
 class Fallback:
     """When EAGLE gives up drafting (module docstring).
@@ -61,7 +64,7 @@ class Fallback:
     """
 
     break_even: float
-    probe_rounds: int = 8
+    probe_rounds: int = PROBE_ROUNDS
 
     def __post_init__(self):
         if self.probe_rounds < 1:
@@ -248,22 +251,21 @@ class EagleDecoding:
 
     def step(self, params, state: EagleState) -> EagleState:
         target_params, head = params
+        eagle_round = functools.partial(_round, target_params, head, cfg=self.cfg,
+                                        tree_cfg=self.tree, sampling=self.sampling,
+                                        eos_token_ids=self.eos_token_ids, proposer=self.proposer)
+        if self.fallback is None:
+            return eagle_round(state)
 
-        def eagle_round(state):
-            state = _round(target_params, head, state, cfg=self.cfg, tree_cfg=self.tree,
-                           sampling=self.sampling, eos_token_ids=self.eos_token_ids,
-                           proposer=self.proposer)
-            if self.fallback is None:
-                return state
+        def round_then_check(state):
+            state = eagle_round(state)
             gives_up = self.fallback.gives_up(state.step, state.rounds, state.accept_hist)
             return dataclasses.replace(state, plain=state.plain | gives_up)
 
-        if self.fallback is None:
-            return eagle_round(state)
         plain_step = functools.partial(_plain_step, target_params, cfg=self.cfg,
                                        tree_cfg=self.tree, sampling=self.sampling,
                                        eos_token_ids=self.eos_token_ids)
-        return jax.lax.cond(state.plain, plain_step, eagle_round, state)
+        return jax.lax.cond(state.plain, plain_step, round_then_check, state)
 
     def output(self, state: EagleState) -> EagleOutput:
         return EagleOutput(tokens=state.out.tokens, num_generated=state.out.num_generated,
