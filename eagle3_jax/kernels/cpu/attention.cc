@@ -21,10 +21,11 @@
 //
 // How: the new keys are rotated first; then tasks (b, kv head, block of 8 query rows, or 4
 // where a kv head has no more: a decode step's group) run on XLA's pool (parallel.h), each
-// rotating its queries. Scores are a broadcast-FMA over 32 slots at a time (the key cache is
-// [H, S], slots contiguous), the softmax uses a vectorized exp (Cephes' polynomial, ~1 ulp), and the weighted sum of values a
-// broadcast-FMA over the head dimension. Written once with GCC vector extensions and compiled
-// for AVX-512, AVX2/FMA and plain x86-64 (target_clones picks one at load time).
+// rotating its queries. Scores are a broadcast-FMA over 2 vectors of slots at a time (the key
+// cache is [H, S], slots contiguous), the softmax uses a vectorized exp (Cephes' polynomial,
+// ~1 ulp), and the weighted sum of values a broadcast-FMA over the head dimension. Written once
+// with GCC vector extensions and compiled twice, for AVX-512 (16 lanes) and for AVX2/FMA (8
+// lanes, blocked for its 16 registers: `Narrow`); the CPU picks one at load time.
 
 #include <cmath>
 #include <cstdint>
@@ -39,49 +40,85 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));
-typedef float vf_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int32_t vi __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf16_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf8_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+
+// Register blocking per vector width, so that the accumulators stay in registers.
+//   kScoreRows: query rows scored together, 2 vectors of slots each (2 x rows accumulators);
+//   kValueAcc: accumulators of the weighted sum of values (rows x vectors of the head dim).
+// AVX-512 (32 registers of 16 lanes): all 8 rows x 32 slots; 4 rows x the whole head dim.
+struct Wide {
+  typedef vf16 V;
+  typedef vf16_unaligned VU;
+  typedef vi16 VI;
+  static constexpr int kLanes = 16, kScoreRows = 8, kValueAcc = 0;  // 0: 4 rows x all of H
+};
+// AVX2 (16 registers of 8 lanes): 4 rows x 16 slots (8 accumulators + 2 keys + 1 query);
+// 8 accumulators of the weighted sum (2 rows x 4 vectors of H, or 4 x 2). With the AVX-512
+// blocking compiled for AVX2 the accumulators spilled: a SmolLM2 forward of 8 tokens took 73 ms
+// against 46 with XLA's attention on a 2-core AMD EPYC.
+struct Narrow {
+  typedef vf8 V;
+  typedef vf8_unaligned VU;
+  typedef vi8 VI;
+  static constexpr int kLanes = 8, kScoreRows = 4, kValueAcc = 8;
+};
+
 constexpr int kMaxRows = 8;  // query rows per task (4 where a kv head has at most 4)
-constexpr int kPassRows = 4;  // rows per pass of the weighted sum (4 x H accumulators)
+constexpr int kFewRows = 4;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #define EAGLE3_INLINE __attribute__((always_inline)) inline
 
-EAGLE3_INLINE vf Load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
-EAGLE3_INLINE void Store(float* p, vf v) { *reinterpret_cast<vf_unaligned*>(p) = v; }
-EAGLE3_INLINE vf Splat(float x) { return vf{} + x; }
-EAGLE3_INLINE float Sum(vf v) {
+template <class C>
+EAGLE3_INLINE typename C::V Load(const float* p) {
+  return *reinterpret_cast<const typename C::VU*>(p);
+}
+template <class C>
+EAGLE3_INLINE void Store(float* p, typename C::V v) {
+  *reinterpret_cast<typename C::VU*>(p) = v;
+}
+template <class C>
+EAGLE3_INLINE typename C::V Splat(float x) { return typename C::V{} + x; }
+template <class C>
+EAGLE3_INLINE float Sum(typename C::V v) {
   float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
+  for (int i = 0; i < C::kLanes; ++i) s += v[i];
   return s;
 }
-EAGLE3_INLINE float Max(vf v) {
+template <class C>
+EAGLE3_INLINE float Max(typename C::V v) {
   float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
+  for (int i = 1; i < C::kLanes; ++i) m = v[i] > m ? v[i] : m;
   return m;
 }
 
 // e^x for x <= 0 (a score minus its row's maximum); below -87 (e^x < 2^-125) it reads as 0, so
 // masked slots (-inf) weigh exactly nothing. Cephes expf: x = n ln2 + r, e^r by a degree-6
 // polynomial, 2^n through the exponent bits.
-EAGLE3_INLINE vf Exp(vf x) {
-  const vf lo = Splat(-87.0f);
-  const vf xc = x < lo ? lo : x;
-  const vf n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  vf r = xc - n * 0.693359375f;
+template <class C>
+EAGLE3_INLINE typename C::V Exp(typename C::V x) {
+  using V = typename C::V;
+  using VI = typename C::VI;
+  const V lo = Splat<C>(-87.0f);
+  const V xc = x < lo ? lo : x;
+  const V n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  V r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  vf p = Splat(1.9875691500e-4f);
+  V p = Splat<C>(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const vf y = p * r * r + r + 1.0f;
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  const vf e = y * reinterpret_cast<const vf&>(bits);
-  return x < lo ? Splat(0.0f) : e;
+  const V y = p * r * r + r + 1.0f;
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  const V e = y * reinterpret_cast<const V&>(bits);
+  return x < lo ? Splat<C>(0.0f) : e;
 }
 
 struct Problem {
@@ -92,7 +129,7 @@ struct Problem {
   int64_t group() const { return heads / kv_heads; }
   // Query rows per (b, kv head), and per task: padded rows would be scored for nothing.
   int64_t rows() const { return tokens * group(); }
-  int64_t task_rows() const { return rows() <= kPassRows ? kPassRows : kMaxRows; }
+  int64_t task_rows() const { return rows() <= kFewRows ? kFewRows : kMaxRows; }
   int64_t row_blocks() const { return (rows() + task_rows() - 1) / task_rows(); }
 };
 
@@ -114,18 +151,27 @@ EAGLE3_INLINE void Rotate(const float* x, const float* cos, const float* sin, in
 }
 
 // out rows r0..r0+nr of (b, kh): rows are (token t, query head g of the group), r = t*G + g;
-// kRows (4 or 8) rows are computed, those past nr repeating row r0 and not stored.
-template <int HV, int kRows>  // head_dim / 16, rows per task
+// rows past nr repeat row r0 and are not stored; whole blocks of C::kScoreRows are computed.
+template <class C, int HV, int kRows>  // vector config, head_dim / lanes, rows per task
 EAGLE3_INLINE void AttendRows(const Problem& p, int64_t b, int64_t kh, int64_t r0, int64_t nr,
                               std::vector<float>& scratch) {
-  const int64_t T = p.tokens, S = p.slots, G = p.group(), H = HV * kLanes;
-  alignas(64) float q_rot[kRows][HV * kLanes];  // this task's queries, rotated
+  using V = typename C::V;
+  constexpr int L = C::kLanes;
+  constexpr int SR = C::kScoreRows < kRows ? C::kScoreRows : kRows;  // rows scored together
+  // The weighted sum: VC vectors of the head dim x PR rows per pass (PR divides SR, so a pass
+  // reads only computed rows).
+  constexpr int VC = C::kValueAcc == 0 ? HV : (HV % 4 == 0 ? 4 : (HV % 2 == 0 ? 2 : 1));
+  constexpr int PR_ = C::kValueAcc == 0 ? 4 : C::kValueAcc / VC;
+  constexpr int PR = PR_ < SR ? PR_ : SR;
+  const int64_t T = p.tokens, S = p.slots, G = p.group(), H = HV * L;
+  const int64_t nc = (nr + SR - 1) / SR * SR;  // rows computed
+  alignas(64) float q_rot[kRows][HV * L];  // this task's queries, rotated
   const float* q[kRows];
   const bool* mp[kRows];
   const bool* mn[kRows];
   float* o[kRows];
   int64_t limit = 0;  // past slots [0, limit) hold every slot these rows see
-  for (int r = 0; r < kRows; ++r) {
+  for (int r = 0; r < nc; ++r) {
     const int64_t row = r0 + (r < nr ? r : 0), t = row / G, g = row % G;
     const float* rope = p.cos + (b * T + t) * (H / 2);
     Rotate(p.q + ((b * T + t) * p.heads + kh * G + g) * H, rope,
@@ -139,128 +185,150 @@ EAGLE3_INLINE void AttendRows(const Problem& p, int64_t b, int64_t kh, int64_t r
       limit = end > limit ? end : limit;
     }
   }
-  const int64_t past_pad = (limit + kLanes - 1) / kLanes * kLanes;
-  const int64_t new_pad = (T + kLanes - 1) / kLanes * kLanes;
+  const int64_t past_pad = (limit + L - 1) / L * L;
+  const int64_t new_pad = (T + L - 1) / L * L;
   const int64_t ld = past_pad + new_pad;
   scratch.resize(kRows * ld);
   float* sc = scratch.data();
   const float* kp = p.k_past + (b * p.kv_heads + kh) * H * S;  // [H, S]
   const float* vp = p.v_past + (b * p.kv_heads + kh) * S * H;  // [S, H]
 
-  // Scores over the past: kRows rows x 32 slots of accumulators, one pass over the head dim.
-  int64_t s0 = 0;
-  for (; s0 + 2 * kLanes <= limit; s0 += 2 * kLanes) {
-    vf a0[kRows] = {}, a1[kRows] = {};
-    for (int64_t h = 0; h < H; ++h) {
-      const vf k0 = Load(kp + h * S + s0), k1 = Load(kp + h * S + s0 + kLanes);
-      for (int r = 0; r < kRows; ++r) {
-        const vf qh = Splat(q[r][h]);
-        a0[r] += qh * k0;
-        a1[r] += qh * k1;
+  // Scores over the past: SR rows x 2L slots of accumulators, one pass over the head dim.
+  for (int rb = 0; rb < nc; rb += SR) {
+    int64_t s0 = 0;
+    for (; s0 + 2 * L <= limit; s0 += 2 * L) {
+      V a0[SR] = {}, a1[SR] = {};
+      for (int64_t h = 0; h < H; ++h) {
+        const V k0 = Load<C>(kp + h * S + s0), k1 = Load<C>(kp + h * S + s0 + L);
+        for (int r = 0; r < SR; ++r) {
+          const V qh = Splat<C>(q[rb + r][h]);
+          a0[r] += qh * k0;
+          a1[r] += qh * k1;
+        }
+      }
+      for (int r = 0; r < SR; ++r) {
+        Store<C>(sc + (rb + r) * ld + s0, a0[r]);
+        Store<C>(sc + (rb + r) * ld + s0 + L, a1[r]);
       }
     }
-    for (int r = 0; r < kRows; ++r) {
-      Store(sc + r * ld + s0, a0[r]);
-      Store(sc + r * ld + s0 + kLanes, a1[r]);
-    }
-  }
-  for (; s0 < limit; ++s0) {  // the last < 32 slots
-    for (int r = 0; r < kRows; ++r) {
-      float a = 0.0f;
-      for (int64_t h = 0; h < H; ++h) a += q[r][h] * kp[h * S + s0];
-      sc[r * ld + s0] = a;
+    for (; s0 < limit; ++s0) {  // the last < 2L slots
+      for (int r = rb; r < rb + SR; ++r) {
+        float a = 0.0f;
+        for (int64_t h = 0; h < H; ++h) a += q[r][h] * kp[h * S + s0];
+        sc[r * ld + s0] = a;
+      }
     }
   }
   // Scores over the new tokens (keys [H] contiguous at k_new[b, j, kh]).
   for (int64_t j = 0; j < T; ++j) {
     const float* kj = p.k_rot + ((b * T + j) * p.kv_heads + kh) * H;
-    for (int r = 0; r < kRows; ++r) {
-      vf a = {};
-      for (int v = 0; v < HV; ++v) a += Load(q[r] + v * kLanes) * Load(kj + v * kLanes);
-      sc[r * ld + past_pad + j] = Sum(a);
+    for (int r = 0; r < nc; ++r) {
+      V a = {};
+      for (int v = 0; v < HV; ++v) a += Load<C>(q[r] + v * L) * Load<C>(kj + v * L);
+      sc[r * ld + past_pad + j] = Sum<C>(a);
     }
   }
 
   // Mask, scale, softmax numerators; the sums' reciprocals.
   const float scale = std::sqrt(static_cast<float>(H));
   float inv_sum[kRows];
-  bool any[kRows];
-  for (int r = 0; r < kRows; ++r) {
+  for (int r = 0; r < nc; ++r) {
     float* row = sc + r * ld;
     for (int64_t s = 0; s < limit; ++s) row[s] = mp[r][s] ? row[s] / scale : kNegInf;
     for (int64_t s = limit; s < past_pad; ++s) row[s] = kNegInf;
     for (int64_t j = 0; j < T; ++j) row[past_pad + j] = mn[r][j] ? row[past_pad + j] / scale : kNegInf;
     for (int64_t j = T; j < new_pad; ++j) row[past_pad + j] = kNegInf;
-    vf m = Splat(kNegInf);
-    for (int64_t s = 0; s < ld; s += kLanes) {
-      const vf x = Load(row + s);
+    V m = Splat<C>(kNegInf);
+    for (int64_t s = 0; s < ld; s += L) {
+      const V x = Load<C>(row + s);
       m = x > m ? x : m;
     }
-    const float mx = Max(m);
-    any[r] = mx != kNegInf;
-    vf total = {};
-    for (int64_t s = 0; s < ld; s += kLanes) {
-      const vf e = Exp(Load(row + s) - (any[r] ? mx : 0.0f));
-      Store(row + s, e);
+    const float mx = Max<C>(m);
+    const bool any = mx != kNegInf;
+    V total = {};
+    for (int64_t s = 0; s < ld; s += L) {
+      const V e = Exp<C>(Load<C>(row + s) - (any ? mx : 0.0f));
+      Store<C>(row + s, e);
       total += e;
     }
-    inv_sum[r] = any[r] ? 1.0f / Sum(total) : 0.0f;
+    inv_sum[r] = any ? 1.0f / Sum<C>(total) : 0.0f;
   }
 
-  // Weighted sums of values: 4 rows x H accumulators per pass over the visible slots.
-  for (int half = 0; half < nr; half += kPassRows) {
-    vf acc[kPassRows][HV] = {};
-    for (int64_t s = 0; s < limit; ++s) {
-      vf vs[HV];
-      for (int v = 0; v < HV; ++v) vs[v] = Load(vp + s * H + v * kLanes);
-      for (int r = 0; r < kPassRows; ++r) {
-        const vf w = Splat(sc[(half + r) * ld + s]);
-        for (int v = 0; v < HV; ++v) acc[r][v] += w * vs[v];
+  // Weighted sums of values: PR rows x VC vectors of the head dim per pass over the visible
+  // slots (each output element sums the slots in order, whatever the blocking).
+  for (int half = 0; half < nr; half += PR) {
+    for (int v0 = 0; v0 < HV; v0 += VC) {
+      V acc[PR][VC] = {};
+      for (int64_t s = 0; s < limit; ++s) {
+        V vs[VC];
+        for (int v = 0; v < VC; ++v) vs[v] = Load<C>(vp + s * H + (v0 + v) * L);
+        for (int r = 0; r < PR; ++r) {
+          const V w = Splat<C>(sc[(half + r) * ld + s]);
+          for (int v = 0; v < VC; ++v) acc[r][v] += w * vs[v];
+        }
       }
-    }
-    for (int64_t j = 0; j < T; ++j) {
-      const float* vj = p.v_new + ((b * T + j) * p.kv_heads + kh) * H;
-      vf vs[HV];
-      for (int v = 0; v < HV; ++v) vs[v] = Load(vj + v * kLanes);
-      for (int r = 0; r < kPassRows; ++r) {
-        const vf w = Splat(sc[(half + r) * ld + past_pad + j]);
-        for (int v = 0; v < HV; ++v) acc[r][v] += w * vs[v];
+      for (int64_t j = 0; j < T; ++j) {
+        const float* vj = p.v_new + ((b * T + j) * p.kv_heads + kh) * H;
+        V vs[VC];
+        for (int v = 0; v < VC; ++v) vs[v] = Load<C>(vj + (v0 + v) * L);
+        for (int r = 0; r < PR; ++r) {
+          const V w = Splat<C>(sc[(half + r) * ld + past_pad + j]);
+          for (int v = 0; v < VC; ++v) acc[r][v] += w * vs[v];
+        }
       }
+      for (int r = half; r < nr && r < half + PR; ++r)
+        for (int v = 0; v < VC; ++v)
+          Store<C>(o[r] + (v0 + v) * L, acc[r - half][v] * inv_sum[r]);
     }
-    for (int r = half; r < nr && r < half + kPassRows; ++r)
-      for (int v = 0; v < HV; ++v) Store(o[r] + v * kLanes, acc[r - half][v] * inv_sum[r]);
   }
 }
 
-template <int HV>
+template <class C, int HV>
 EAGLE3_INLINE void AttendHeadDim(const Problem& p, int64_t b, int64_t kh, int64_t r0,
                                  int64_t nr, std::vector<float>& scratch) {
-  if (p.task_rows() == kPassRows) {
-    AttendRows<HV, kPassRows>(p, b, kh, r0, nr, scratch);
+  if (p.task_rows() == kFewRows) {
+    AttendRows<C, HV, kFewRows>(p, b, kh, r0, nr, scratch);
   } else {
-    AttendRows<HV, kMaxRows>(p, b, kh, r0, nr, scratch);
+    AttendRows<C, HV, kMaxRows>(p, b, kh, r0, nr, scratch);
   }
 }
 
-__attribute__((target_clones("avx512f", "arch=haswell", "default")))
-void AttendTask(const Problem& p, int64_t task, std::vector<float>& scratch) {
+template <class C>
+EAGLE3_INLINE void AttendTask(const Problem& p, int64_t task, std::vector<float>& scratch) {
   const int64_t blocks = p.row_blocks(), per_task = p.task_rows();
   const int64_t b = task / (p.kv_heads * blocks);
   const int64_t kh = task / blocks % p.kv_heads;
   const int64_t r0 = task % blocks * per_task;
   const int64_t nr = p.rows() - r0 < per_task ? p.rows() - r0 : per_task;
-  switch (p.head_dim / kLanes) {
-    case 1: AttendHeadDim<1>(p, b, kh, r0, nr, scratch); break;
-    case 2: AttendHeadDim<2>(p, b, kh, r0, nr, scratch); break;
-    case 3: AttendHeadDim<3>(p, b, kh, r0, nr, scratch); break;
-    case 4: AttendHeadDim<4>(p, b, kh, r0, nr, scratch); break;
-    case 5: AttendHeadDim<5>(p, b, kh, r0, nr, scratch); break;
-    case 6: AttendHeadDim<6>(p, b, kh, r0, nr, scratch); break;
-    case 7: AttendHeadDim<7>(p, b, kh, r0, nr, scratch); break;
-    case 8: AttendHeadDim<8>(p, b, kh, r0, nr, scratch); break;
+  // head_dim is 16..128 in steps of 16 (checked by the caller): HV = head_dim / lanes.
+  switch (p.head_dim / 16) {
+    case 1: AttendHeadDim<C, 16 / C::kLanes>(p, b, kh, r0, nr, scratch); break;
+    case 2: AttendHeadDim<C, 32 / C::kLanes>(p, b, kh, r0, nr, scratch); break;
+    case 3: AttendHeadDim<C, 48 / C::kLanes>(p, b, kh, r0, nr, scratch); break;
+    case 4: AttendHeadDim<C, 64 / C::kLanes>(p, b, kh, r0, nr, scratch); break;
+    case 5: AttendHeadDim<C, 80 / C::kLanes>(p, b, kh, r0, nr, scratch); break;
+    case 6: AttendHeadDim<C, 96 / C::kLanes>(p, b, kh, r0, nr, scratch); break;
+    case 7: AttendHeadDim<C, 112 / C::kLanes>(p, b, kh, r0, nr, scratch); break;
+    case 8: AttendHeadDim<C, 128 / C::kLanes>(p, b, kh, r0, nr, scratch); break;
     default: break;
   }
 }
+
+__attribute__((target("avx512f"))) void AttendTask512(const Problem& p, int64_t task,
+                                                      std::vector<float>& scratch) {
+  AttendTask<Wide>(p, task, scratch);
+}
+
+__attribute__((target("avx2,fma"))) void AttendTask256(const Problem& p, int64_t task,
+                                                       std::vector<float>& scratch) {
+  AttendTask<Narrow>(p, task, scratch);
+}
+
+using AttendTaskFn = void (*)(const Problem&, int64_t, std::vector<float>&);
+
+// The widest variant this CPU runs (decided once; the library is used only with AVX2 and FMA).
+const AttendTaskFn kAttendTask =
+    __builtin_cpu_supports("avx512f") ? AttendTask512 : AttendTask256;
 
 bool Dims(const ffi::Buffer<ffi::F32>& x, int64_t d0, int64_t d1, int64_t d2, int64_t d3) {
   const auto d = x.dimensions();
@@ -289,7 +357,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const auto cd = cos.dimensions(), sd = sin.dimensions();
   const bool rope_ok = cd.size() == 3 && cd[0] == B && cd[1] == T && cd[2] == H / 2 &&
                        sd.size() == 3 && sd[0] == B && sd[1] == T && sd[2] == H / 2;
-  if (K < 1 || p.heads % K != 0 || H % kLanes != 0 || H > 8 * kLanes || !rope_ok ||
+  if (K < 1 || p.heads % K != 0 || H % 16 != 0 || H < 16 || H > 128 || !rope_ok ||
       !Dims(k_past, B, K, H, S) || !Dims(v_past, B, K, S, H) || !MaskDims(m_past, B, T, S) ||
       !Dims(k_new, B, T, K, H) || !Dims(v_new, B, T, K, H) || !MaskDims(m_new, B, T, T))
     return ffi::Error::InvalidArgument(
@@ -308,7 +376,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
              p.k_rot + (bt * K + kh) * H);
   eagle3::ParallelFor(pool, B * K * p.row_blocks(), [&](int64_t task) {
     thread_local std::vector<float> scratch;
-    AttendTask(p, task, scratch);
+    kAttendTask(p, task, scratch);
   });
   return ffi::Error::Success();
 }
