@@ -60,10 +60,14 @@ def _random(shape, seed):
 
 
 @pytest.fixture(autouse=True)
-def _default_switch():
-    previous = library.set_kernel_enabled(None)
+def _every_family_on():
+    """Both layouts' kernels under test on every CPU (the [in, out] form is off by default
+    where the CPU lacks AVX-512: ``test_the_in_out_form_is_on_where_the_cpu_prefers_it``)."""
+    previous = library.set_kernel_enabled(True)
+    jax.clear_caches()
     yield
     library.set_kernel_enabled(previous)
+    jax.clear_caches()
 
 
 def _lowered_text(fn, *args) -> str:
@@ -78,6 +82,25 @@ def test_the_kernel_is_built_and_used_here():
     assert rm.FFI_TARGET not in _lowered_text(rm.rows_matmul, _random((65, 64), 2), w)
     in_out = _lowered_text(lambda x, w: rm.rows_matmul(x, w, in_out=True), x, w.T)
     assert rm.FFI_TARGET_IN_OUT in in_out
+
+
+@pytest.mark.skipif(not KERNEL_EXPECTED, reason="the kernel needs x86-64 and a C++ compiler")
+def test_the_in_out_form_is_on_where_the_cpu_prefers_it(monkeypatch):
+    """By default the [in, out] form runs only where the library says it beats XLA (AVX-512);
+    the [out, in] form runs everywhere; naming the family turns it on."""
+    x, w = _random((4, 64), 0), _random((64, 32), 1)
+    in_out = lambda x, w: rm.rows_matmul(x, w, in_out=True)  # noqa: E731
+    library.set_kernel_enabled(None)
+    monkeypatch.delenv(library.ENV_SWITCH, raising=False)
+    jax.clear_caches()
+    preferred = library.in_out_kernel_preferred()
+    assert preferred == ("avx512f" in open("/proc/cpuinfo").read().split())
+    assert (rm.FFI_TARGET_IN_OUT in _lowered_text(in_out, x, w)) == preferred
+    assert rm.FFI_TARGET in _lowered_text(rm.rows_matmul, x, w.T)
+    monkeypatch.setenv(library.ENV_SWITCH, "matmul_in_out")
+    jax.clear_caches()
+    assert rm.FFI_TARGET_IN_OUT in _lowered_text(in_out, x, w)
+    assert rm.FFI_TARGET not in _lowered_text(rm.rows_matmul, x, w.T)
 
 
 def _layout(in_out: bool, w: jax.Array):

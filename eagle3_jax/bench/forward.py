@@ -112,12 +112,15 @@ def curves_by_kernel(params, cfg, context: int, sizes, repeats: int, rounds: int
     same forwards with XLA ops only, with the CPU matmul kernel, and with both CPU kernels
     (matmul and cached attention), ``rounds`` alternating rounds (recompiled each), per-T
     median of rounds. Only {"xla": ...} where the kernels are unavailable."""
-    from eagle3_jax import kernels as rm
+    from eagle3_jax.kernels import library as rm
 
-    settings = {"xla": False, "matmul kernel": ("matmul",), "kernel": True}
+    previous = rm.set_kernel_enabled(None)
+    # "kernel": what decoding runs here (the families this CPU prefers).
+    defaults = tuple(f for f in rm.FAMILIES if rm.kernels_enabled(f))
+    settings = {"xla": False, "matmul kernel": tuple(f for f in defaults if f != "attention"),
+                "kernel": None}
     modes = tuple(settings) if rm.kernel_available() else ("xla",)
     samples: dict[str, list[dict]] = {mode: [] for mode in modes}
-    previous = rm.set_kernel_enabled(None)
     try:
         for _ in range(rounds):
             for mode in modes:

@@ -13,7 +13,7 @@ One draft step over T positions (B batch, D hidden, N/K heads, H head_dim, Vd dr
 Training (``eagle3_jax.draft.ttt``) and decoding only differ in which keys each query sees, so
 both call :func:`project_qkv` and :func:`finish_layer` and supply their own attention. The
 matmuls go through ``rows_matmul(..., in_out=True)``: the CPU kernel for the few rows of a draft
-step, the XLA dot for training's thousands.
+step where the CPU runs it faster (AVX-512), the XLA dot elsewhere and for training's thousands.
 """
 
 from __future__ import annotations

@@ -18,9 +18,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-# "0" turns the kernels off (XLA ops everywhere); a comma list of FAMILIES keeps only those.
+# "0" turns the kernels off (XLA ops everywhere); a comma list of FAMILIES keeps only those;
+# "1" (the default) keeps those this CPU runs faster than XLA: all but "matmul_in_out" (the
+# matmul kernel's form for [in, out] weights: the draft head, an untied output head) on a CPU
+# without AVX-512 (``in_out_kernel_preferred``).
 ENV_SWITCH = "EAGLE3_JAX_CPU_KERNEL"
-FAMILIES = ("matmul", "attention")
+FAMILIES = ("matmul", "matmul_in_out", "attention")
 _LIBRARY_STEM = "_cpu_kernels"
 # XLA custom-call target -> the handler symbol in the library.
 TARGETS = {
@@ -63,9 +66,19 @@ def _load() -> tuple[bool, str]:
     return True, str(path)
 
 
+@functools.cache
+def in_out_kernel_preferred() -> bool:
+    """Whether the matmul kernel's [in, out] form is on by default here: it beats XLA's dot
+    on CPUs with AVX-512, not on AVX2-only ones (``kernels/cpu/rows_matmul.cc``)."""
+    if not kernel_available():
+        return False
+    return bool(ctypes.CDLL(str(_library_path())).eagle3_rows_matmul_in_out_preferred())
+
+
 def set_kernel_enabled(enabled: bool | tuple[str, ...] | None):
-    """Force the kernels on/off for code traced from now on: True, False, a tuple of FAMILIES
-    to keep, or None (back to ``EAGLE3_JAX_CPU_KERNEL``, default all on). Returns the previous
+    """Force the kernels on/off for code traced from now on: True (every family, whatever the
+    CPU prefers), False, a tuple of FAMILIES to keep, or None (back to
+    ``EAGLE3_JAX_CPU_KERNEL``, default: those this CPU prefers). Returns the previous
     setting. Already-compiled functions keep what they were traced with
     (``jax.clear_caches()`` drops them)."""
     global _enabled_override
@@ -78,13 +91,13 @@ def _env_families() -> tuple[str, ...]:
     if value == "0":
         return ()
     if value in ("", "1"):
-        return FAMILIES
+        return tuple(f for f in FAMILIES if f != "matmul_in_out" or in_out_kernel_preferred())
     return tuple(f for f in FAMILIES if f in value.split(","))
 
 
 def kernels_enabled(family: str | None = None) -> bool:
-    """The switch (``set_kernel_enabled``, else ``EAGLE3_JAX_CPU_KERNEL``) for ``family``
-    ("matmul" or "attention"; None: any), availability aside."""
+    """The switch (``set_kernel_enabled``, else ``EAGLE3_JAX_CPU_KERNEL``) for ``family`` (one
+    of FAMILIES; None: any), availability aside."""
     if _enabled_override is None:
         families = _env_families()
     elif isinstance(_enabled_override, tuple):
@@ -114,6 +127,7 @@ def kernel_status() -> str:
     if not kernels_enabled():
         return f"CPU kernels off ({ENV_SWITCH}=0): XLA ops are used instead"
     families = [f for f in FAMILIES if kernels_enabled(f)]
-    what = {"matmul": "matmuls", "attention": "cached attention"}
+    what = {"matmul": "matmuls", "matmul_in_out": "[in, out] matmuls",
+            "attention": "cached attention"}
     return (f"CPU kernels in use for float32 {' and '.join(what[f] for f in families)} of few "
             f"rows ({detail})")

@@ -7,7 +7,9 @@ custom call built by the install; ``library.py``): each weight row is read from 
 row of x while it is in L1, on all of XLA's intra-op threads. XLA CPU instead runs such a dot
 as a general matmul that repacks the whole weight on every call (``bench forward`` shows both).
 Everywhere else, and wherever the kernel is missing (no compiler at install, a CPU without
-AVX2/FMA, ``EAGLE3_JAX_CPU_KERNEL=0``), it is the XLA dot ``einsum("...I,OI->...O")``.
+AVX2/FMA, ``EAGLE3_JAX_CPU_KERNEL=0``), it is the XLA dot ``einsum("...I,OI->...O")``. The
+[in, out] form is a family of its own ("matmul_in_out"), on by default only where the CPU has
+AVX-512: on AVX2-only CPUs XLA's dot was faster for the draft head's matrices (``library.py``).
 
 The choice is made at trace time from the shape and dtype and, inside the program, per backend
 (``lax.platform_dependent``): a program lowered for an accelerator holds only the XLA dot. The
@@ -35,9 +37,11 @@ FFI_TARGET = "eagle3_rows_matmul"  # w [out, in]
 FFI_TARGET_IN_OUT = "eagle3_rows_matmul_in_out"  # w [in, out]
 
 
-def uses_kernel(rows: int, dtype) -> bool:
-    """Whether a matmul of ``rows`` rows of ``dtype`` traced now on CPU would use the kernel."""
-    return 0 < rows <= KERNEL_MAX_ROWS and kernels_in_use(dtype, "matmul")
+def uses_kernel(rows: int, dtype, in_out: bool = False) -> bool:
+    """Whether a matmul of ``rows`` rows of ``dtype`` (an [in, out] weight with ``in_out``)
+    traced now on CPU would use the kernel."""
+    return 0 < rows <= KERNEL_MAX_ROWS and kernels_in_use(
+        dtype, "matmul_in_out" if in_out else "matmul")
 
 
 def _xla_dot(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
@@ -97,7 +101,7 @@ def rows_matmul(x: jax.Array, w: jax.Array, *, in_out: bool = False,
     rows = math.prod(x.shape[:-1])
     kernel, xla = (_kernel_dot_in_out, _xla_dot_in_out) if in_out else (_kernel_dot, _xla_dot)
     out_type = jnp.dtype(preferred_element_type or x.dtype)
-    if x.dtype == w.dtype == out_type and uses_kernel(rows, x.dtype):
+    if x.dtype == w.dtype == out_type and uses_kernel(rows, x.dtype, in_out):
         return jax.lax.platform_dependent(x, w, cpu=kernel, default=xla)
     blocks = xla_single_row_blocks
     if (not in_out and rows == 1 and blocks > 1 and w.shape[0] % blocks == 0
