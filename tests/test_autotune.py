@@ -227,3 +227,42 @@ def test_a_measured_round_costs_more_than_a_plain_step():
     times = measure_round(params, cfg, head, TreeConfig(tree_top_k=2, depth=3, total_tokens=8),
                           16, repeats=3)
     assert set(times) == {"round", "step"} and times["round"] > times["step"] > 0
+
+
+def test_the_models_best_trees_are_ranked_by_measured_whole_rounds(tmp_path, monkeypatch):
+    """With ``ranked`` > 1 the model's best few shapes are timed as whole rounds and the best
+    measured speed-up (modelled tau x plain step / round) wins, whatever the model's order;
+    the rounds are cached like the costs; a model that predicts no gain times nothing."""
+    cfg, params, head = _tiny_target_and_head()
+    monkeypatch.setenv("EAGLE3_JAX_HOME", str(tmp_path))
+    curve = {1: 0.010, 2: 0.011, 4: 0.012, 8: 0.014, 16: 0.020, 32: 0.040, 64: 0.080}
+    monkeypatch.setattr(autotune, "forward_curve",
+                        lambda p, c, ctx, sizes, repeats, batch=1: {t: curve[t] for t in sizes})
+    monkeypatch.setattr(autotune, "measure_draft_steps",
+                        lambda h, e, ctx, widths, repeats, batch=1: {w: 0.0005 for w in widths})
+    rates = [0.8, 0.7, 0.6, 0.5]
+    modelled = autotune.select_trees(autotune.measure_costs(params, cfg, head, 128), rates, 3)
+    assert len({(c.tree.tree_top_k, c.tree.depth) for c in modelled}) == 3
+    assert modelled[0] == autotune.select_tree(autotune.measure_costs(params, cfg, head, 128),
+                                               rates)
+    # Measured: the model's third shape costs half a round of the others.
+    third = modelled[2].tree
+    timed = []
+
+    def fake_round(target_params, cfg, head, tree, context, repeats, batch=1):
+        timed.append(tree)
+        return {"round": 0.010 if tree == third else 0.020, "step": 0.010}
+
+    monkeypatch.setattr(autotune, "measure_round", fake_round)
+    one = autotune.autotune_tree(params, cfg, head, 100, accept_rates=rates)
+    assert one.tree == modelled[0].tree and not one.measured and timed == []
+    best = autotune.autotune_tree(params, cfg, head, 100, accept_rates=rates, ranked=3)
+    assert best.tree == third and best.measured and len(timed) == 3
+    assert best.seconds_per_round == 0.010 and best.plain_tokens_per_s == pytest.approx(100.0)
+    assert best.predicted_speedup == pytest.approx(modelled[2].expected_accept_length)
+    assert "(measured)" in best.describe()
+    assert autotune.autotune_tree(params, cfg, head, 100, accept_rates=rates, ranked=3) == best
+    assert len(timed) == 3  # read back from the cache
+    # Where the model predicts no gain, nothing is timed.
+    weak = autotune.autotune_tree(params, cfg, head, 100, accept_rates=[0.01], ranked=3)
+    assert not weak.pays_off and not weak.measured and len(timed) == 3

@@ -114,12 +114,12 @@ def autotune(target, loaded_head, prompt_length: int, tree_top_k: int | None, de
              accept_rates: list[float] | None, batch: int = 1):
     """The autotuned TreeChoice for a padded batch of ``batch`` rows (measured costs, the
     head's or the given acceptance rates)."""
-    from eagle3_jax.decoding.autotune import autotune_tree
+    from eagle3_jax.decoding.autotune import RANKED_TREES, autotune_tree
 
     rates = accept_rates or loaded_head.accept_rates
     choice = autotune_tree(target.params, target.cfg, loaded_head.head, prompt_length,
                            batch=batch, accept_rates=rates, tree_top_k=tree_top_k, depth=depth,
-                           log=log)
+                           ranked=RANKED_TREES, log=log)
     source = ("--accept-rates" if accept_rates else "the head's" if rates
               else "default profile 0.6*0.9^d")
     log(f"[autotune ({source} acceptance rates): {choice.describe()}]")

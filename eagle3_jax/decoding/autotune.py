@@ -27,6 +27,10 @@ of the platform, device kind, target config, JAX version and the source of the c
 (``COST_SOURCES``: a faster forward must not be judged by old numbers); draft steps are stored
 under a hash of the draft config inside the same file. A flat cost curve (accelerators, memory
 bound) picks a big tree, a steep one (CPUs, compute bound) a small one.
+
+The decoder then times the model's ``RANKED_TREES`` best shapes as whole rounds against plain
+steps (:func:`measure_round_cost`: what the model leaves out, the round's own work, included)
+and keeps the best measured speed-up at the modelled tau (:func:`autotune_tree`).
 """
 
 from __future__ import annotations
@@ -99,13 +103,25 @@ class CostModel:
 MIN_PREDICTED_SPEEDUP = 1.1
 
 
+# The modelled best few tree shapes are then timed as whole rounds against plain steps
+# (:func:`measure_round_cost`, cached like the costs) and the best measured speed-up is kept:
+# the model leaves the round's own work out, and shapes it rates within a few percent of each
+# other swapped places between re-measurements of the cost curve (4/4/8, 1/4/5, 2/3/8, 1/4/5
+# in stops 17-19 on this CPU). 1 turns it off.
+RANKED_TREES = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeChoice:
+    """A tree and what it is expected to do; ``measured``: the round's seconds (and plain
+    decoding's) are a whole round's timing, not the cost model's sum."""
+
     tree: TreeConfig
     expected_accept_length: float
     seconds_per_round: float
     tokens_per_s: float
     plain_tokens_per_s: float
+    measured: bool = False
 
     @property
     def predicted_speedup(self) -> float:
@@ -120,9 +136,9 @@ class TreeChoice:
     def describe(self) -> str:
         t = self.tree
         text = (f"tree_top_k={t.tree_top_k} depth={t.depth} total_tokens={t.total_tokens}: "
-                f"modelled "
-                f"tau {self.expected_accept_length:.2f}, {self.seconds_per_round * 1e3:.2f} ms "
-                f"per round, {self.tokens_per_s:.1f} tokens/s vs plain "
+                f"modelled tau {self.expected_accept_length:.2f}, "
+                f"{self.seconds_per_round * 1e3:.2f} ms per round"
+                f"{' (measured)' if self.measured else ''}, {self.tokens_per_s:.1f} tokens/s vs plain "
                 f"{self.plain_tokens_per_s:.1f} ({self.predicted_speedup:.2f}x)")
         if not self.pays_off:
             text += (f"; no tree is predicted to beat plain decoding here by the model's margin "
@@ -132,10 +148,12 @@ class TreeChoice:
         return text
 
 
-def select_tree(costs: CostModel, rates: Sequence[Rate] | None = None, *,
-                tree_top_k: int | None = None, depth: int | None = None,
-                tree_top_ks: Sequence[int] = TOP_KS, depths: Sequence[int] = DEPTHS) -> TreeChoice:
-    """The valid tree with the highest modelled tokens/s (ties: the smaller tree).
+def select_trees(costs: CostModel, rates: Sequence[Rate] | None = None, n: int = 1, *,
+                 tree_top_k: int | None = None, depth: int | None = None,
+                 tree_top_ks: Sequence[int] = TOP_KS,
+                 depths: Sequence[int] = DEPTHS) -> list[TreeChoice]:
+    """The ``n`` tree shapes (tree_top_k, depth) with the highest modelled tokens/s, each at its
+    best total_tokens, best first (ties: the smaller tree).
 
     ``tree_top_k`` / ``depth`` fix that dimension (a user's ``--tree-top-k`` / ``--depth``);
     total_tokens ranges over 2 .. the largest measured T.
@@ -143,22 +161,31 @@ def select_tree(costs: CostModel, rates: Sequence[Rate] | None = None, *,
     tree_top_ks = (tree_top_k,) if tree_top_k is not None else tuple(tree_top_ks)
     depths = (depth,) if depth is not None else tuple(depths)
     plain = 1.0 / costs.target_cost(1)
-    best: TreeChoice | None = None
+    shapes: list[TreeChoice] = []
     for k in tree_top_ks:
         for d in depths:
             scores = candidate_scores(k, d, rates_for_depth(rates, d))
             tau = 1.0 + np.concatenate([[0.0], np.cumsum(scores)])  # tau[n] for n drafts
             draft = costs.draft_cost(d, k)
-            for n in range(2, min(len(scores) + 1, costs.max_tokens) + 1):
-                seconds = costs.target_cost(n) + draft
-                speed = tau[n - 1] / seconds
+            best: TreeChoice | None = None
+            for total in range(2, min(len(scores) + 1, costs.max_tokens) + 1):
+                seconds = costs.target_cost(total) + draft
+                speed = tau[total - 1] / seconds
                 if best is None or speed > best.tokens_per_s:
-                    best = TreeChoice(TreeConfig(tree_top_k=k, depth=d, total_tokens=n),
-                                      float(tau[n - 1]), seconds, speed, plain)
-    if best is None:
+                    best = TreeChoice(TreeConfig(tree_top_k=k, depth=d, total_tokens=total),
+                                      float(tau[total - 1]), seconds, speed, plain)
+            if best is not None:
+                shapes.append(best)
+    if not shapes:
         raise AutotuneError(f"no tree fits tree_top_k={tree_top_ks}, depth={depths} and the "
                             f"measured sizes up to {costs.max_tokens} tokens")
-    return best
+    return sorted(shapes, key=lambda c: -c.tokens_per_s)[:max(int(n), 1)]  # stable: ties keep order
+
+
+def select_tree(costs: CostModel, rates: Sequence[Rate] | None = None, **kwargs) -> TreeChoice:
+    """The valid tree with the highest modelled tokens/s (ties: the smaller tree); the keyword
+    arguments are :func:`select_trees`'."""
+    return select_trees(costs, rates, 1, **kwargs)[0]
 
 
 # ------------------------------------------------------------------------- measuring, cache
@@ -263,13 +290,31 @@ def autotune_context(prompt_length: int) -> int:
 
 def autotune_tree(target_params, cfg, head, prompt_length: int, *, batch: int = 1,
                   accept_rates: Sequence[Rate] | None = None, tree_top_k: int | None = None,
-                  depth: int | None = None, directory: str | Path | None = None,
+                  depth: int | None = None, ranked: int = 1,
+                  directory: str | Path | None = None,
                   log: Callable[[str], None] = lambda s: None) -> TreeChoice:
     """Measure (once per machine, model, context bucket and batch) and pick the tree for a
-    padded batch of ``batch`` rows."""
-    costs = measure_costs(target_params, cfg, head, autotune_context(prompt_length),
-                          batch=batch, directory=directory, log=log)
-    return select_tree(costs, accept_rates, tree_top_k=tree_top_k, depth=depth)
+    padded batch of ``batch`` rows. ``ranked`` > 1 (the decoder's ``RANKED_TREES``): where the
+    model's best pays off, its ``ranked`` best shapes are timed as whole rounds and the best
+    measured speed-up (modelled tau x plain step / round) is kept."""
+    context = autotune_context(prompt_length)
+    costs = measure_costs(target_params, cfg, head, context, batch=batch, directory=directory,
+                          log=log)
+    choices = select_trees(costs, accept_rates, ranked, tree_top_k=tree_top_k, depth=depth)
+    if len(choices) == 1 or not choices[0].pays_off:
+        return choices[0]
+    measured = []
+    for choice in choices:
+        cost = measure_round_cost(target_params, cfg, head, choice.tree, context, batch=batch,
+                                  directory=directory, log=log)
+        measured.append(dataclasses.replace(
+            choice, seconds_per_round=cost["round"], plain_tokens_per_s=1.0 / cost["step"],
+            tokens_per_s=choice.expected_accept_length / cost["round"], measured=True))
+    best = max(measured, key=lambda c: c.predicted_speedup)  # ties: the model's order
+    log("[autotune: whole rounds of the model's best trees, speed-up at the modelled tau: "
+        + ", ".join(f"{c.tree.tree_top_k}/{c.tree.depth}/{c.tree.total_tokens} "
+                    f"{c.predicted_speedup:.2f}x" for c in measured) + "]")
+    return best
 
 
 def measure_round_cost(target_params, cfg, head, tree: TreeConfig, context: int, *,
