@@ -16,9 +16,10 @@ Phases:
                  --regen-s; the finished conversations of both are trained on
   2. tokens      `data vocab --tokens-out` over them (the draft vocabulary is the initial
                  head's, or built here when there is none)
-  3. train       a calibration run of --calibrate-steps measures the step time; the run then
-                 resumes with total_steps sized to what is left of --budget-s (cosine decay to
-                 the end), checkpointing as it goes
+  3. train       a calibration run of --calibrate-steps measures the step time and the cost
+                 of an eval with its checkpoint; the run then resumes with total_steps sized to
+                 what is left of --budget-s (cosine decay to the end, steps planned 8% slower
+                 than measured), checkpointing as it goes
   4. export      the head in the released layout (bfloat16) with metrics into OUT
 
 Output (OUT): head/{config.json, model.safetensors}, metrics.jsonl, accuracy.png,
@@ -37,6 +38,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 START = time.monotonic()
 
@@ -62,6 +65,24 @@ def run(cmd: list[str], *, seconds: float | None = None, env: dict | None = None
             rc = proc.wait()
     log(f"exit {rc}")
     return rc == 0
+
+
+EVALS = 8           # evaluations in the sized run (a checkpoint at every other one)
+STEP_MARGIN = 1.08  # steps are planned this much slower than calibrated (a busy host varies)
+
+
+def step_and_event_seconds(recs: list[dict], k: int) -> tuple[float, float]:
+    """From a calibration run logging every step and evaluating + saving after step k/2 and k:
+    (seconds per training step, seconds of one eval with its plot and checkpoint).
+
+    The step time is the median interval between consecutive steps, leaving out the first two
+    (compilation) and the one after k/2 (the eval and save); the event cost is that interval
+    less one step."""
+    secs = {r["step"]: r["seconds"] for r in recs}
+    gaps = [secs[s] - secs[s - 1] for s in range(3, k + 1) if s != k // 2 + 1 and s - 1 in secs]
+    step_s = max(float(np.median(gaps)), 1e-4)
+    event_s = max(secs[k // 2 + 1] - secs[k // 2] - step_s, 0.0)
+    return step_s, event_s
 
 
 def train_records(metrics: Path) -> list[dict]:
@@ -168,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
                 args.target, "--draft-vocab-size", str(args.draft_vocab_size), "--max-len",
                 str(args.max_len), "--out", str(vocab), "--tokens-out", str(tokens)], env=env):
         return 1
-    import numpy as np
     tok = np.load(tokens)
     info["tokens"] = int(len(tok["tokens"]))
     info["assistant_tokens"] = int(tok["loss_mask"].sum())
@@ -186,28 +206,30 @@ def main(argv: list[str] | None = None) -> int:
              else [f"draft_vocab={vocab}", f"draft_vocab_size={args.draft_vocab_size}"])
     base += args.train
     t0 = time.monotonic()
-    k = args.calibrate_steps
-    ok = run(base + ["total_steps=100000", f"save_every={k}", f"eval_every={k}",
-                     f"log_every={max(k // 6, 1)}",
-                     "--max-steps", str(k)], env=env,
+    k = max(args.calibrate_steps, 6) // 2 * 2
+    # Evaluate and save at k/2 and k: the step after k/2 then carries the cost of one eval with
+    # its plot and one checkpoint, which the sized run pays at each of its EVALS points.
+    ok = run(base + ["total_steps=100000", f"save_every={k // 2}", f"eval_every={k // 2}",
+                     "log_every=1", "--max-steps", str(k)], env=env,
              seconds=max(deadline - time.monotonic() - args.export_s, 1))
     calibrate_s = time.monotonic() - t0
     recs = train_records(run_dir / "metrics.jsonl")
-    if not ok or len(recs) < 3:
+    if not ok or len(recs) < k:
         log("calibration run failed")
         return 1
-    a, b = recs[1], recs[-1]     # skip the first interval (compilation)
-    step_s = (b["seconds"] - a["seconds"]) / max(b["step"] - a["step"], 1)
-    overhead = calibrate_s - k * step_s           # start-up, loading, compilation, eval, save
-    left = deadline - time.monotonic() - args.export_s - overhead
-    total = args.steps or k + max(int(left / step_s), 0)
-    info["train"] = {"step_s": round(step_s, 4), "calibrate_s": round(calibrate_s, 1),
-                     "total_steps": total, "tokens_per_s": round(b["tokens_per_s"], 1)}
-    log(f"step {step_s * 1e3:.0f} ms, start-up {overhead:.0f} s: training to step {total}")
+    step_s, event_s = step_and_event_seconds(recs, k)
+    overhead = calibrate_s - k * step_s - 2 * event_s    # start-up, loading, compilation, exit
+    left = deadline - time.monotonic() - args.export_s - overhead - EVALS * event_s
+    total = args.steps or k + max(int(left / (step_s * STEP_MARGIN)), 0)
+    info["train"] = {"step_s": round(step_s, 4), "eval_save_s": round(event_s, 2),
+                     "calibrate_s": round(calibrate_s, 1), "total_steps": total,
+                     "tokens_per_s": round(recs[-1]["tokens_per_s"], 1)}
+    log(f"step {step_s * 1e3:.0f} ms, eval + save {event_s:.1f} s, start-up {overhead:.0f} s: "
+        f"training to step {total}")
     save_info()
     if total > k:
-        run(base + [f"total_steps={total}", f"save_every={max(total // 4, 1)}", "log_every=10",
-                    f"eval_every={max(total // 8, 1)}"], env=env,
+        run(base + [f"total_steps={total}", f"save_every={max(total // (EVALS // 2), 1)}",
+                    "log_every=10", f"eval_every={max(total // EVALS, 1)}"], env=env,
             seconds=max(deadline - time.monotonic() - args.export_s + 20, 30))
     recs = train_records(run_dir / "metrics.jsonl")
     info["train"]["end_step"] = recs[-1]["step"] if recs else None

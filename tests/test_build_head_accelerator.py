@@ -44,7 +44,7 @@ def test_build_runs_every_phase_in_its_budget(smollm2_gguf_path, tmp_path):
          "--out", str(out), "--work", str(tmp_path / "work"), "--regen-dir", str(earlier),
          "--budget-s", str(budget), "--regen-s", "90", "--export-s", "10", "--slots", "8",
          "--max-new-tokens", "12", "--conversations", "30", "--draft-vocab-size", "256",
-         "--batch-size", "2", "--max-len", "128", "--ttt-steps", "2", "--calibrate-steps", "8"],
+         "--batch-size", "2", "--max-len", "128", "--ttt-steps", "2", "--calibrate-steps", "12"],
         capture_output=True, text=True, timeout=budget + 120,
         env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})  # one CPU device
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -62,3 +62,19 @@ def test_build_runs_every_phase_in_its_budget(smollm2_gguf_path, tmp_path):
     head = load_head(out / "head")
     assert head.head.cfg.hidden_size == 32
     assert np.all(np.isfinite(np.asarray(head.head.params["fc"], np.float32)))
+
+
+def test_calibration_separates_the_step_time_from_the_eval_and_checkpoint():
+    """Compilation (first steps) and the eval + save after step k/2 are not steps: a sized run
+    that took either for step time would overshoot its budget (one CI run did, by 30 steps)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("build_head_accelerator", SCRIPT)
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    k, step, event = 12, 0.02, 0.7
+    seconds, recs = 3.0, []                               # step 1 ends after compiling
+    for s in range(1, k + 1):
+        seconds += (1.0 if s == 2 else 0.0) + (event if s == k // 2 + 1 else 0.0) + step
+        recs.append({"step": s, "seconds": round(seconds + (0.001 if s % 3 == 0 else 0), 3)})
+    step_s, event_s = build.step_and_event_seconds(recs, k)
+    assert abs(step_s - step) < 2e-3 and abs(event_s - event) < 3e-3

@@ -571,7 +571,7 @@ def _run_steps(run: TrainSetup, state: TrainState, start: int, end: int) -> dict
             last_train = _train_row(jax.device_get(metrics), done, float(schedule(step)),
                                     tokens_per_s)
             last_train.update(tokens=tokens_total,
-                              seconds=round(seconds_before + now - t_start, 1))
+                              seconds=round(seconds_before + now - t_start, 3))
             writer.write(last_train)
             bar.set_postfix(loss=f"{last_train['loss']:.3f}",
                             acc="/".join(f"{a:.2f}" for a in last_train["acc_per_step"][:4]))
