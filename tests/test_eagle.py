@@ -59,6 +59,36 @@ def _prompts(lengths, vocab, seed=3):
     return jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
 
 
+@pytest.mark.parametrize("variant", [{}, {"fc_norm": True, "norm_output": True,
+                                            "norm_before_residual": True}], ids=["3", "3.1"])
+def test_serving_layout_computes_the_trained_draft_step(models, variant):
+    """The serving layout (fused, [out, in]: the rows kernel) against the trained layout's
+    [in, out] matmuls: the same feature, logits and cache from the taps and a cached step, to
+    float32 round-off; the conversion moves data only and is idempotent."""
+    from eagle3_jax.draft.params import is_serving
+    cfg, _, head = models
+    dcfg = dataclasses.replace(head.cfg, **variant)
+    trained = init_draft_params(dcfg, jax.random.key(7), scale=0.3)
+    serving = DraftHead(params=trained, vocab=head.vocab, cfg=dcfg).serving()
+    assert is_serving(serving.params) and serving.serving() is serving
+    np.testing.assert_array_equal(serving.params["lm_head_t"], trained["lm_head"].T)
+    b, t, slots, d = 2, 3, 16, dcfg.hidden_size
+    rng = np.random.default_rng(0)
+    taps = jnp.asarray(rng.normal(size=(b, t, 3 * d)), jnp.float32)
+    embeds = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(5, 5 + t), (b, t))
+    mask = jnp.arange(slots)[None, None, :] <= positions[:, :, None]
+    cache = empty_draft_cache(dcfg, b, slots)
+    outs = []
+    for params in (trained, serving.params):
+        g = fuse_taps(params, dcfg, taps)
+        outs.append((g, *draft_step_cached(params, dcfg, embeds, g, positions, mask, *cache,
+                                           positions)))
+    for want, got in zip(*outs):
+        scale = float(jnp.max(jnp.abs(want)))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale)
+
+
 @pytest.mark.parametrize("tree", list(TREES), ids=list(TREES))
 def test_greedy_equals_plain_greedy(models, tree):
     cfg, params, head = models
@@ -368,6 +398,35 @@ def test_chi_square_catches_a_biased_acceptance_rule(tiny_vocab_models, monkeypa
     finally:
         driver._loop_jit.clear_cache()
     assert _chi_square_pvalue(pairs, _exact_joint(params, cfg, prompt, sampling)) < 1e-6
+
+
+def test_greedy_acceptance_is_the_rejection_walk_with_one_hot_targets():
+    """The greedy walk (argmax tokens only) against the general walk with p one-hot at the
+    argmax (top_k = 1 sampling): same paths, counts and bonus tokens, on random trees whose
+    tokens are often the argmax of their parent, so paths of every length occur."""
+    from eagle3_jax.decoding.verify import accept
+    b, n, vocab, depth, top_k = 64, 9, 11, 4, 3
+    rng = np.random.default_rng(0)
+    parents = np.full((b, n), -1)
+    for i in range(1, n):
+        parents[:, i] = rng.integers(0, i, b)
+    depths = np.zeros((b, n), int)
+    for i in range(1, n):
+        depths[:, i] = depths[np.arange(b), parents[:, i]] + 1
+    parents = np.where(depths > depth, 0, parents)  # keep the tree within depth levels
+    logits = rng.normal(size=(b, n, vocab)).astype(np.float32)
+    best = logits.argmax(-1)
+    tokens = rng.integers(0, vocab, (b, n))
+    hits = rng.random((b, n)) < 0.7
+    tokens = np.where(hits, best[np.arange(b)[:, None], np.maximum(parents, 0)], tokens)
+    tree = tree_from_parents(jnp.asarray(tokens, jnp.int32), jnp.asarray(parents, jnp.int32),
+                             depth)
+    key = jax.random.PRNGKey(3)
+    greedy = accept(key, tree, jnp.asarray(logits), SamplingParams(), top_k)
+    walk = accept(key, tree, jnp.asarray(logits), SamplingParams(1.0, top_k=1), top_k)
+    for field in ("path", "num_accepted", "bonus"):
+        np.testing.assert_array_equal(getattr(greedy, field), getattr(walk, field), field)
+    assert len(set(np.asarray(greedy.num_accepted).tolist())) >= 4
 
 
 # ---------------------------------------------------------------------------- fallback

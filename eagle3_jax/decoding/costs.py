@@ -114,7 +114,8 @@ def forward_curve(params, cfg, context: int, sizes, repeats: int,
 def measure_draft_steps(head, embed, context: int, widths: Sequence[int],
                         repeats: int, batch: int = 1) -> dict[int, float]:
     """Median seconds of one draft step over w tokens per row, ``batch`` rows, after
-    ``context`` cached entries."""
+    ``context`` cached entries (the head in the serving layout decoding runs)."""
+    head = head.serving()
     dcfg = head.cfg
     slots = context + max(widths)
     cache_k, cache_v = empty_draft_cache(dcfg, batch, slots)
@@ -152,6 +153,7 @@ def measure_round(target_params, cfg, head, tree, context: int, repeats: int,
     tokens = jnp.ones((batch, context), jnp.int32)
     lengths = jnp.full((batch,), context, jnp.int32)
     key = jax.random.PRNGKey(0)
+    head = head.serving()
     eagle, _, _ = eagle_decoding(cfg, head, tokens, lengths, max_new_tokens=max_new, tree=tree)
     plain, _, _ = plain_decoding(cfg, tokens, lengths, max_new_tokens=max_new)
     runs = {"round": (eagle, (target_params, head)), "step": (plain, target_params)}

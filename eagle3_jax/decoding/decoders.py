@@ -150,7 +150,7 @@ class EagleDecoder(PlainDecoder):
         :func:`eagle3_jax.decoding.autotune.fallback_for`): when to give up drafting, per padded
         prompt width and batch; None drafts to the end."""
         super().__init__(target, sampling, max_new_tokens, seed, compile_cache=compile_cache)
-        self.head, self.tree, self.fallback = head, tree, fallback
+        self.head, self.tree, self.fallback = head.serving(), tree, fallback
 
     def _spec(self, batch: PaddedPrompts):
         fallback = self.fallback(*batch.tokens.shape[::-1]) if self.fallback else None

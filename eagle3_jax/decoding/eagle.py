@@ -327,6 +327,7 @@ def generate_eagle(
     ``fallback`` when to give up drafting (None: never). Output tokens equal plain decoding's
     for greedy sampling, and follow the target's exact distribution otherwise.
     """
+    head = head.serving()
     spec, tokens, lengths = eagle_decoding(
         cfg, head, prompt_tokens, prompt_lengths, max_new_tokens=max_new_tokens, tree=tree,
         sampling=sampling, eos_token_ids=eos_token_ids, max_len=max_len, proposer=proposer,
@@ -344,6 +345,7 @@ def compile_generate_eagle(target_params, cfg: TargetConfig, head: DraftHead, pr
 
     Returns ``run(target_params, head, prompt_tokens, prompt_lengths, key) -> EagleOutput``.
     """
+    head = head.serving()
     spec, tokens, lengths = eagle_decoding(
         cfg, head, prompt_tokens, prompt_lengths, max_new_tokens=max_new_tokens, tree=tree,
         sampling=sampling, eos_token_ids=eos_token_ids, max_len=max_len, fallback=fallback)
@@ -353,7 +355,7 @@ def compile_generate_eagle(target_params, cfg: TargetConfig, head: DraftHead, pr
         _, tokens, lengths = eagle_decoding(cfg, head, prompt_tokens, prompt_lengths,
                                             max_new_tokens=max_new_tokens, tree=tree,
                                             max_len=spec.max_len)
-        return compiled((target_params, head), tokens, lengths, key)
+        return compiled((target_params, head.serving()), tokens, lengths, key)
 
     return run
 
@@ -370,6 +372,7 @@ def generate_eagle_stream(target_params, cfg: TargetConfig, head: DraftHead, pro
     prefill and round run (jitted apart), with the same keys, so the tokens equal
     :func:`generate_eagle`'s for the same ``key``.
     """
+    head = head.serving()
     spec, tokens, lengths = eagle_decoding(
         cfg, head, prompt_tokens, prompt_lengths, max_new_tokens=max_new_tokens, tree=tree,
         sampling=sampling, eos_token_ids=eos_token_ids, max_len=max_len, fallback=fallback)

@@ -8,7 +8,8 @@ sibling. When no child is accepted (or the deepest node is reached) one more tok
 from the current p: the target's bonus token. This is recursive rejection sampling with one-hot
 draft proposals, which leaves the target's distribution unchanged. Greedy decoding is the same
 walk with p one-hot at the target's argmax: the longest path agreeing with the target's argmax,
-plus the argmax after it.
+plus the argmax after it. ``accept`` runs it as exactly that, on the [B, N] argmax tokens, with no
+[B, N, V] distribution and no bonus draw (about 3 ms of a SmolLM2 round on a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from eagle3_jax.decoding.sampling import SamplingParams, probs
+from eagle3_jax.decoding.sampling import SamplingParams, greedy_argmax, probs
 from eagle3_jax.decoding.tree import DraftTree
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.layers import read_kv, write_kv
@@ -58,6 +59,8 @@ class Acceptance:
 def accept(key: jax.Array, tree: DraftTree, logits: jax.Array, sampling: SamplingParams,
            tree_top_k: int) -> Acceptance:
     """Walk the tree (see module docstring). logits [B, N, V] from :func:`verify_forward`."""
+    if sampling.greedy:
+        return _accept_greedy(tree, greedy_argmax(logits))
     b, n = tree.tokens.shape
     depth = tree.paths.shape[-1] - 1
     rows = jnp.arange(b)
@@ -95,6 +98,27 @@ def accept(key: jax.Array, tree: DraftTree, logits: jax.Array, sampling: Samplin
     bonus = jax.random.categorical(keys[-1], jnp.log(p), axis=-1).astype(jnp.int32)
     return Acceptance(path=jnp.stack(path, axis=1).astype(jnp.int32), num_accepted=num_accepted,
                       bonus=bonus)
+
+
+def _accept_greedy(tree: DraftTree, best: jax.Array) -> Acceptance:
+    """The greedy walk on the target's argmax ``best`` [B, N] at every node: from the root, move
+    to the first child (tree order) whose token is the argmax of its parent, while one is."""
+    b, _ = tree.tokens.shape
+    depth = tree.paths.shape[-1] - 1
+    rows = jnp.arange(b)
+    node = jnp.zeros((b,), jnp.int32)
+    alive = jnp.ones((b,), bool)
+    path = [node]
+    num_accepted = jnp.zeros((b,), jnp.int32)
+    for _ in range(depth):
+        hit = (tree.parents == node[:, None]) & (tree.tokens == best[rows, node][:, None])
+        moved = alive & jnp.any(hit, axis=1)
+        node = jnp.where(moved, jnp.argmax(hit, axis=1).astype(jnp.int32), node)
+        path.append(jnp.where(moved, node, -1))
+        num_accepted = num_accepted + moved.astype(jnp.int32)
+        alive = moved
+    return Acceptance(path=jnp.stack(path, axis=1).astype(jnp.int32), num_accepted=num_accepted,
+                      bonus=best[rows, node])
 
 
 def commit_path(cache: KVCache, path: jax.Array, active: jax.Array) -> KVCache:

@@ -11,9 +11,11 @@ One draft step over T positions (B batch, D hidden, N/K heads, H head_dim, Vd dr
     logits = lm_head(final_norm(h))                                    [B, T, Vd]
 
 Training (``eagle3_jax.draft.ttt``) and decoding only differ in which keys each query sees, so
-both call :func:`project_qkv` and :func:`finish_layer` and supply their own attention. The
-matmuls go through ``rows_matmul(..., in_out=True)``: the CPU kernel for the few rows of a draft
-step where the CPU runs it faster (AVX-512), the XLA dot elsewhere and for training's thousands.
+both call :func:`project_qkv` and :func:`finish_layer` and supply their own attention. Every
+function takes the params in either layout (``draft/params.py``): as trained ([in, out]
+matrices, XLA dots, or the [in, out] CPU kernel where it is faster, on AVX-512), or the serving
+layout decoding uses ([out, in], q/k/v and gate/up fused: the CPU rows kernel for the few rows of
+a draft step, the XLA dot elsewhere).
 """
 
 from __future__ import annotations
@@ -22,21 +24,30 @@ import jax
 import jax.numpy as jnp
 
 from eagle3_jax.draft.config import DraftConfig
+from eagle3_jax.draft.params import is_serving
 from eagle3_jax.kernels import rows_matmul
 from eagle3_jax.model.layers import (apply_rope, attention, empty_kv, rms_norm, rope_inv_freq,
                                      swiglu, write_kv)
 from eagle3_jax.model.params import Params
 
 
+def _matmul(params: Params, name: str, x: jax.Array, **kwargs) -> jax.Array:
+    """x [..., in] times the draft matrix ``name``: its serving form ``name_t`` [out, in] when
+    the params hold it, else the [in, out] matrix as trained."""
+    if name + "_t" in params:
+        return rows_matmul(x, params[name + "_t"], **kwargs)
+    return rows_matmul(x, params[name], in_out=True, **kwargs)
+
+
 def fuse_taps(params: Params, cfg: DraftConfig, taps: jax.Array) -> jax.Array:
     """Target taps [B, T, 3D] (low, mid, high) -> step-0 feature [B, T, D]; with
     ``cfg.fc_norm`` (EAGLE-3.1) each tap is RMS-normed by its own scale first."""
-    taps = taps.astype(params["fc"].dtype)
+    taps = taps.astype(params["fc_t" if is_serving(params) else "fc"].dtype)
     if cfg.fc_norm:
         b, t, _ = taps.shape
         per_tap = taps.reshape(b, t, cfg.num_taps, cfg.hidden_size)
         taps = rms_norm(per_tap, params["fc_norm"], cfg.rms_norm_eps).reshape(b, t, -1)
-    return rows_matmul(taps, params["fc"], in_out=True)
+    return _matmul(params, "fc", taps)
 
 
 def next_feature(params: Params, cfg: DraftConfig, h: jax.Array) -> jax.Array:
@@ -52,13 +63,16 @@ def project_qkv(params: Params, cfg: DraftConfig, embeds: jax.Array, g: jax.Arra
                          rms_norm(g, params["hidden_norm"], cfg.rms_norm_eps)], axis=-1)
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     b, t, e = x.shape
-
-    def project(w):  # [E, heads, H] as an [in, out] matrix
-        return rows_matmul(x, w.reshape(e, -1), in_out=True).reshape(b, t, *w.shape[1:])
-
-    q = apply_rope(project(params["wq"]), positions, inv_freq)
-    k = apply_rope(project(params["wk"]), positions, inv_freq)
-    return q, k, project(params["wv"])
+    n, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if is_serving(params):
+        qkv = rows_matmul(x, params["wqkv_t"])
+        q, k, v = jnp.split(qkv, [n * hd, (n + kv) * hd], axis=-1)
+    else:
+        q, k, v = (rows_matmul(x, params[w].reshape(e, -1), in_out=True)
+                   for w in ("wq", "wk", "wv"))
+    q = apply_rope(q.reshape(b, t, n, hd), positions, inv_freq)
+    k = apply_rope(k.reshape(b, t, kv, hd), positions, inv_freq)
+    return q, k, v.reshape(b, t, kv, hd)
 
 
 def finish_layer(params: Params, cfg: DraftConfig, g: jax.Array, attn: jax.Array) -> jax.Array:
@@ -67,6 +81,11 @@ def finish_layer(params: Params, cfg: DraftConfig, g: jax.Array, attn: jax.Array
     b, t, n, hd = attn.shape
     if cfg.norm_before_residual:
         g = rms_norm(g, params["hidden_norm"], cfg.rms_norm_eps)
+    if is_serving(params):
+        h = g + rows_matmul(attn.reshape(b, t, n * hd), params["wo_t"])
+        x = rms_norm(h, params["mlp_norm"], cfg.rms_norm_eps)
+        gate, up = jnp.split(rows_matmul(x, params["w_gate_up_t"]), 2, axis=-1)
+        return h + rows_matmul(jax.nn.silu(gate) * up, params["w_down_t"])
     h = g + rows_matmul(attn.reshape(b, t, n * hd), params["wo"].reshape(n * hd, -1), in_out=True)
     x = rms_norm(h, params["mlp_norm"], cfg.rms_norm_eps)
     return h + swiglu(x, params["w_gate"], params["w_up"], params["w_down"])
@@ -79,8 +98,8 @@ def head_input(params: Params, cfg: DraftConfig, h: jax.Array) -> jax.Array:
 
 def draft_logits(params: Params, cfg: DraftConfig, h: jax.Array) -> jax.Array:
     """h [B, T, D] -> float32 logits over the draft vocabulary [B, T, Vd]."""
-    return rows_matmul(head_input(params, cfg, h), params["lm_head"], in_out=True,
-                       preferred_element_type=jnp.float32)
+    return _matmul(params, "lm_head", head_input(params, cfg, h),
+                   preferred_element_type=jnp.float32)
 
 
 def empty_draft_cache(cfg: DraftConfig, batch: int, slots: int) -> tuple[jax.Array, jax.Array]:
