@@ -7,9 +7,14 @@ A *decoding* is a frozen, hashable spec (a static jit argument) with three pure 
     output(state) -> result             # what the caller gets back
 
 where ``state.out`` is an :class:`Emitted` (the generated tokens so far and the stop flags).
+Instead of ``step`` a decoding may have ``phases``: ``(step, keeps)`` pairs run in order, each
+while a row is live and ``keeps(state)`` ([] bool; None: always) holds (EAGLE's rounds until a
+fallback gives up drafting, then plain steps). Each phase is its own loop: a ``lax.cond``
+choosing the step inside one loop would copy every KV-cache buffer into and out of the chosen
+branch on every step (120 copies, about 3 ms a step for SmolLM2 on a 2-core CPU).
 The driver runs it
 
-* :func:`run`: prefill, then ``lax.while_loop`` over ``step`` until every row is done, all in
+* :func:`run`: prefill, then one ``lax.while_loop`` per phase until every row is done, all in
   one jitted call (no host round trip);
 * :func:`compile_run`: the same, compiled ahead of time for fixed shapes (compilation timed
   apart);
@@ -123,18 +128,29 @@ def check_prompts(cfg: TargetConfig, prompt_tokens, prompt_lengths, max_new_toke
     return jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32), int(max_len)
 
 
+def phases(decoding) -> tuple[tuple[Callable, Callable | None], ...]:
+    """The decoding's ``(step, keeps)`` phases (module docstring); one, ``(step, None)``, for a
+    decoding without ``phases``."""
+    return getattr(decoding, "phases", None) or ((decoding.step, None),)
+
+
 def _loop(decoding, params, prompt_tokens, prompt_lengths, key):
     state = decoding.prefill(params, prompt_tokens, prompt_lengths, key)
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s.out.done),
-                               functools.partial(decoding.step, params), state)
+    for step, keeps in phases(decoding):
+        def live(s, keeps=keeps):
+            return ~jnp.all(s.out.done) & (True if keeps is None else keeps(s))
+        state = jax.lax.while_loop(live, functools.partial(step, params), state)
     return decoding.output(state)
 
 
 _loop_jit = jax.jit(_loop, static_argnames=("decoding",))
 _prefill_jit = jax.jit(lambda decoding, *args: decoding.prefill(*args),
                        static_argnames=("decoding",))
-_step_jit = jax.jit(lambda decoding, params, state: decoding.step(params, state),
-                    static_argnames=("decoding",), donate_argnames=("state",))
+_step_jit = jax.jit(lambda decoding, phase, params, state:
+                    phases(decoding)[phase][0](params, state),
+                    static_argnames=("decoding", "phase"), donate_argnames=("state",))
+_keeps_jit = jax.jit(lambda decoding, phase, state: phases(decoding)[phase][1](state),
+                     static_argnames=("decoding", "phase"))
 
 
 def start(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
@@ -144,8 +160,12 @@ def start(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths: jax.A
 
 
 def advance(decoding, params: Any, state):
-    """One step / round of every row (jitted apart; ``state`` is donated)."""
-    return _step_jit(decoding, params, state)
+    """One step / round of every row (jitted apart; ``state`` is donated), of the first phase
+    whose ``keeps`` holds (read on the host where there are several)."""
+    steps = phases(decoding)
+    phase = next((i for i, (_, keeps) in enumerate(steps[:-1])
+                  if keeps is None or bool(_keeps_jit(decoding, i, state))), len(steps) - 1)
+    return _step_jit(decoding, phase, params, state)
 
 
 def run(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths: jax.Array,

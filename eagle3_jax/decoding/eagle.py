@@ -20,15 +20,14 @@ With a :class:`Fallback` the loop measures what it is paying for: at round ``pro
 every power of two after it, when the tokens emitted per round so far (over all live rows) fall
 below ``break_even`` (one round's measured cost in decode steps), it stops drafting and every
 later step is a plain decode step (the target's forward of the root, the same function plain
-decoding runs), for the whole batch, until the end. The draft's state is then left stale; the
-output stays exactly the target's (greedy: identical to plain decoding; sampled: the target's
-distribution).
+decoding runs, in a loop of its own: ``EagleDecoding.phases``), for the whole batch, until the
+end. The draft's state is then left stale; the output stays exactly the target's (greedy:
+identical to plain decoding; sampled: the target's distribution).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -250,22 +249,28 @@ class EagleDecoding:
                         max_len=self.max_len)
 
     def step(self, params, state: EagleState) -> EagleState:
+        """One draft-verify-accept-commit round; with a fallback, then its check."""
         target_params, head = params
-        eagle_round = functools.partial(_round, target_params, head, cfg=self.cfg,
-                                        tree_cfg=self.tree, sampling=self.sampling,
-                                        eos_token_ids=self.eos_token_ids, proposer=self.proposer)
+        state = _round(target_params, head, state, cfg=self.cfg, tree_cfg=self.tree,
+                       sampling=self.sampling, eos_token_ids=self.eos_token_ids,
+                       proposer=self.proposer)
         if self.fallback is None:
-            return eagle_round(state)
+            return state
+        gives_up = self.fallback.gives_up(state.step, state.rounds, state.accept_hist)
+        return dataclasses.replace(state, plain=state.plain | gives_up)
 
-        def round_then_check(state):
-            state = eagle_round(state)
-            gives_up = self.fallback.gives_up(state.step, state.rounds, state.accept_hist)
-            return dataclasses.replace(state, plain=state.plain | gives_up)
+    def plain_step(self, params, state: EagleState) -> EagleState:
+        """One plain decode step (after the fallback gave up drafting)."""
+        return _plain_step(params[0], state, cfg=self.cfg, tree_cfg=self.tree,
+                           sampling=self.sampling, eos_token_ids=self.eos_token_ids)
 
-        plain_step = functools.partial(_plain_step, target_params, cfg=self.cfg,
-                                       tree_cfg=self.tree, sampling=self.sampling,
-                                       eos_token_ids=self.eos_token_ids)
-        return jax.lax.cond(state.plain, plain_step, round_then_check, state)
+    @property
+    def phases(self):
+        """Rounds; with a fallback, rounds while it keeps drafting, then plain steps (the
+        driver runs each phase as its own loop)."""
+        if self.fallback is None:
+            return ((self.step, None),)
+        return ((self.step, lambda state: ~state.plain), (self.plain_step, None))
 
     def output(self, state: EagleState) -> EagleOutput:
         return EagleOutput(tokens=state.out.tokens, num_generated=state.out.num_generated,
