@@ -38,14 +38,16 @@ def _rtol(in_out: bool, inner: int) -> float:
 
 def _model_shapes() -> set[tuple[int, int]]:
     """(out, in) of every serving matmul of every preset (q/k/v fused, wo, gate/up fused, down,
-    the tied output head), and of the draft head (fc, q/k/v, o, MLP, lm_head)."""
+    the tied output head), and of the draft head (fc, q/k/v apart and fused as its serving
+    layout has them, o, MLP, lm_head)."""
     shapes = set()
     for name in list_presets():
         c = load_preset(name).target
         d, f, h = c.hidden_size, c.intermediate_size, c.head_dim
         shapes |= {((c.num_heads + 2 * c.num_kv_heads) * h, d), (d, c.num_heads * h),
                    (2 * f, d), (d, f), (c.vocab_size, d)}
-        shapes |= {(d, 3 * d), (c.num_heads * h, 2 * d), (c.num_kv_heads * h, 2 * d)}
+        shapes |= {(d, 3 * d), (c.num_heads * h, 2 * d), (c.num_kv_heads * h, 2 * d),
+                   ((c.num_heads + 2 * c.num_kv_heads) * h, 2 * d)}
     return shapes
 
 
