@@ -47,6 +47,9 @@ def _library_path() -> Path | None:
     return None
 
 
+_LIBRARY: list[ctypes.CDLL] = []  # the loaded library, once _load has loaded it
+
+
 @functools.cache
 def _load() -> tuple[bool, str]:
     """Load the library and register its targets once: (available, why not / where from)."""
@@ -60,6 +63,7 @@ def _load() -> tuple[bool, str]:
         return False, f"cannot load {path.name}: {e}"
     if not lib.eagle3_rows_matmul_supported():
         return False, "this CPU lacks AVX2/FMA (or is not x86-64)"
+    _LIBRARY.append(lib)
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                     platform="cpu")
@@ -72,7 +76,7 @@ def in_out_kernel_preferred() -> bool:
     on CPUs with AVX-512, not on AVX2-only ones (``kernels/cpu/rows_matmul.cc``)."""
     if not kernel_available():
         return False
-    return bool(ctypes.CDLL(str(_library_path())).eagle3_rows_matmul_in_out_preferred())
+    return bool(_LIBRARY[0].eagle3_rows_matmul_in_out_preferred())
 
 
 def set_kernel_enabled(enabled: bool | tuple[str, ...] | None):
