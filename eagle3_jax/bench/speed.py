@@ -251,7 +251,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
     if load_fn is None:
         from eagle3_jax.checkpoints import load_target as load_fn
     target = load_fn(args.target)
-    loaded = load_head(args.draft, target.cfg)
+    loaded = load_head(args.draft, target.cfg).serving()
     head, description = loaded.head, loaded.description
     if tree is None:
         first = target.tokenizer.apply_chat_template(

@@ -318,7 +318,7 @@ def _run(args: argparse.Namespace, load_fn: Callable | None, head_for: Callable)
     if eagle:
         from eagle3_jax.draft.load import load_head
 
-        loaded = load_head(args.draft, target.cfg)
+        loaded = load_head(args.draft, target.cfg).serving()
         log(f"[draft head: {loaded.description}; draft vocabulary "
             f"{loaded.head.cfg.draft_vocab_size}]")
         if tree is None:

@@ -138,8 +138,8 @@ class TreeChoice:
         text = (f"tree_top_k={t.tree_top_k} depth={t.depth} total_tokens={t.total_tokens}: "
                 f"modelled tau {self.expected_accept_length:.2f}, "
                 f"{self.seconds_per_round * 1e3:.2f} ms per round"
-                f"{' (measured)' if self.measured else ''}, {self.tokens_per_s:.1f} tokens/s vs plain "
-                f"{self.plain_tokens_per_s:.1f} ({self.predicted_speedup:.2f}x)")
+                f"{' (measured)' if self.measured else ''}, {self.tokens_per_s:.1f} tokens/s "
+                f"vs plain {self.plain_tokens_per_s:.1f} ({self.predicted_speedup:.2f}x)")
         if not self.pays_off:
             text += (f"; no tree is predicted to beat plain decoding here by the model's margin "
                      f"({MIN_PREDICTED_SPEEDUP}x): a verification forward costs too much more "

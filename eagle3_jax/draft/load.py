@@ -65,6 +65,11 @@ class LoadedHead:
     step: int | None = None
     run_dir: Path | None = None
 
+    def serving(self) -> "LoadedHead":
+        """The same, its head in the serving layout decoding runs (``DraftHead.serving``):
+        converted once here, so the decoder and the autotune's timings do not each convert."""
+        return dataclasses.replace(self, head=self.head.serving())
+
 
 def check_head_path(path: str | Path) -> Path:
     """``path`` as a Path if it exists, else a :class:`HeadError` (checked before any load)."""

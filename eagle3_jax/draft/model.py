@@ -32,9 +32,9 @@ from eagle3_jax.model.params import Params
 
 
 def _matmul(params: Params, name: str, x: jax.Array, **kwargs) -> jax.Array:
-    """x [..., in] times the draft matrix ``name``: its serving form ``name_t`` [out, in] when
-    the params hold it, else the [in, out] matrix as trained."""
-    if name + "_t" in params:
+    """x [..., in] times the draft matrix ``name``: its serving form ``name_t`` [out, in] in
+    the serving layout, else the [in, out] matrix as trained."""
+    if is_serving(params):
         return rows_matmul(x, params[name + "_t"], **kwargs)
     return rows_matmul(x, params[name], in_out=True, **kwargs)
 

@@ -110,9 +110,6 @@ class VocabMap:
         return cls(jnp.asarray(used - np.arange(len(used)), jnp.int32), jnp.asarray(t2d))
 
 
-SERVING_MATRICES = ("fc_t", "wqkv_t", "wo_t", "w_gate_up_t", "w_down_t", "lm_head_t")
-
-
 def is_serving(params: Params) -> bool:
     """Whether draft ``params`` are in the serving layout (module docstring)."""
     return "wqkv_t" in params
