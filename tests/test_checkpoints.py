@@ -30,7 +30,9 @@ from eagle3_jax.checkpoints import default_model, gguf_loader
 from eagle3_jax.checkpoints.gguf_loader import unpermute_qk
 from eagle3_jax.checkpoints.hf_names import param_to_hf
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.params import is_spec, param_specs, serving_specs, to_serving, to_stacked
+from eagle3_jax.kernels.matmul import panels_in_use
+from eagle3_jax.model.params import (from_panels, has_panels, is_spec, param_specs, serving_specs,
+                                     to_serving, to_stacked)
 from eagle3_jax.model.target import forward
 from eagle3_jax.presets import PresetError
 from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
@@ -357,9 +359,12 @@ def test_load_target_default(smollm2_loaded, smollm2_gguf_path):
     loaded = smollm2_loaded
     assert loaded.source == f"smollm2-135m ({smollm2_gguf_path})"
     assert 2 in loaded.tokenizer.eos_token_ids  # <|im_end|>
-    # Serving layout: the tree and shapes of serving_specs.
+    # Serving layout, float32 on one CPU device: the matrices as panels where the CPU matmul
+    # kernel runs; without them, the tree and shapes of serving_specs.
+    assert has_panels(loaded.params) == panels_in_use(jnp.float32)
     specs = jax.tree.leaves(serving_specs(loaded.cfg), is_leaf=is_spec)
-    assert [x.shape for x in jax.tree.leaves(loaded.params)] == [s.shape for s in specs]
+    params = from_panels(loaded.params, loaded.cfg)
+    assert [x.shape for x in jax.tree.leaves(params)] == [s.shape for s in specs]
 
 
 # ---------------------------------------------------------------------------------------------

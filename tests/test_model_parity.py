@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from eagle3_jax.model.config import RopeScaling, TargetConfig
-from eagle3_jax.model.params import is_spec, serving_specs, to_serving, to_stacked
+from eagle3_jax.model.params import (has_panels, is_spec, serving_specs, to_panels, to_serving,
+                                     to_stacked)
 from eagle3_jax.model.target import forward, forward_stacked
 from hf_reference import hf_forward, tiny_hf_model
 
@@ -69,18 +70,23 @@ def _run_both(case: str, tokens: np.ndarray, positions: np.ndarray, layout: str 
     hf_model, cfg, params = _model(case)
     hf_logits, hf_hidden = hf_forward(hf_model, tokens, positions)
     run = jit_stacked
-    if layout == "serving":
+    if layout in ("serving", "panels"):
         params, run = to_serving(params, cfg), jit_forward
+    if layout == "panels":
+        params = to_panels(params, cfg)
+        assert has_panels(params)
     b, t = tokens.shape
     out = run(params, cfg, jnp.asarray(tokens), jnp.asarray(positions), _causal(b, t),
                       tap_layers=cfg.eagle3_tap_layers)
     return cfg, params, out, hf_logits, hf_hidden
 
 
-@pytest.mark.parametrize("layout", ["stacked", "serving"])
+@pytest.mark.parametrize("layout", ["stacked", "serving", "panels"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_taps_and_hidden_match_hf(case, layout):
-    """Both layouts: stacked (scanned, training) and serving (fused, looped, decoding)."""
+    """Every layout: stacked (scanned, training), serving (fused, looped, decoding) and serving
+    with its matrices as panels (decoding on CPU: the panel kernel, or XLA's dot over the
+    panels where the kernel is not built)."""
     hf_model, cfg, _ = _model(case)
     rng = np.random.default_rng(0)
     length = 100 if case == "llama3_rope" else 24
@@ -111,6 +117,11 @@ def test_serving_layout_round_trips_exactly(case):
     for got, spec in zip(jax.tree.leaves(serving), jax.tree.leaves(specs, is_leaf=is_spec)):
         assert got.shape == spec.shape
     back = to_stacked(serving, cfg)
+    for (path, want), got in zip(jax.tree.leaves_with_path(params), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(path))
+    panels = to_panels(serving, cfg)
+    assert has_panels(panels) and not has_panels(serving)
+    back = to_stacked(panels, cfg)  # through from_panels
     for (path, want), got in zip(jax.tree.leaves_with_path(params), jax.tree.leaves(back)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(path))
 

@@ -1,7 +1,8 @@
 """The CPU kernel for few-row matmuls (``eagle3_jax.kernels.matmul``) against the XLA dot.
 
 Pinned at fixed tolerances to the XLA dot (and to a float64 product) for every matmul shape of
-every shipped target preset and of the draft head, at the row counts decoding uses (1 to 64);
+every shipped target preset and of the draft head, in each weight layout ([out, in], [in, out],
+panels), at the row counts decoding uses (1 to 64, and more for the panels' prefill);
 a row's result is bit-identical whatever the number of rows it is computed with; it runs inside
 ``jit`` and a ``while_loop``; its gradient is the dot's; and the pure-XLA fallback is what runs
 when the kernel is absent, switched off, or lowered for another backend.
@@ -138,6 +139,53 @@ def test_kernel_matches_the_xla_dot_on_every_model_shape(out, inner, in_out):
         np.testing.assert_array_equal(y[0], first_row)
 
 
+def _panel_shapes() -> list[tuple[int, int]]:
+    """Every model shape whose `out` is a multiple of 16 (those ``to_panels`` converts), with
+    `out` cut to 272 (17 panels: more than one thread's chunk of 8, and a ragged last chunk)."""
+    return sorted({(min(out, 272), inner) for out, inner in _model_shapes() if out % 16 == 0})
+
+
+@pytest.mark.skipif(not KERNEL_EXPECTED, reason="the kernel needs x86-64 and a C++ compiler")
+@pytest.mark.parametrize("out,inner", _panel_shapes())
+def test_panel_kernel_matches_the_xla_dot_on_every_model_shape(out, inner):
+    """The panel form: against a float64 product and the XLA dot of the [out, in] weight it was
+    made from, at every row count up to 64 and past one 64-row chunk (prefill); a row's result
+    is bit-identical whatever the number of rows (a decode step and a verification agree)."""
+    w = _random((out, inner), out * 5 + inner)
+    panels = rm.to_panels(w)
+    assert panels.shape == (out // 16, inner, 16)
+    x = _random((150, inner), inner + 1)
+    kernel = jax.jit(rm.panel_matmul)
+    assert rm.FFI_TARGET_PANELS in _lowered_text(rm.panel_matmul, x[:3], panels)
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    rtol = _rtol(True, inner)  # one sequential float32 sum per output, as the [in, out] form
+    first_row = None
+    for rows in (*ROWS, 65, 150):
+        y = np.asarray(kernel(x[:rows], panels))
+        scale = np.abs(ref[:rows]).max()
+        np.testing.assert_allclose(y, ref[:rows], rtol=0, atol=rtol * scale)
+        np.testing.assert_allclose(y, np.asarray(rm._xla_dot(x[:rows], w)), rtol=0,
+                                   atol=2 * rtol * scale)
+        first_row = y[0] if first_row is None else first_row
+        np.testing.assert_array_equal(y[0], first_row)
+
+
+def test_panels_round_trip_and_rows_lookup():
+    """``to_panels`` only moves data; ``weight_rows`` reads an [O, I] matrix's rows from either
+    form (the embedding lookup of a tied output head held as panels)."""
+    w = _random((48, 7), 12)
+    panels = rm.to_panels(w)
+    np.testing.assert_array_equal(np.asarray(panels[2, :, 5]), np.asarray(w[2 * 16 + 5]))
+    np.testing.assert_array_equal(np.asarray(rm.from_panels(panels)), np.asarray(w))
+    index = jnp.asarray([[0, 17, 47], [16, 15, 33]])
+    np.testing.assert_array_equal(np.asarray(rm.weight_rows(panels, index)),
+                                  np.asarray(w)[np.asarray(index)])
+    np.testing.assert_array_equal(np.asarray(rm.weight_rows(w, index)),
+                                  np.asarray(w)[np.asarray(index)])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        rm.to_panels(w[:40])
+
+
 @pytest.mark.skipif(not KERNEL_EXPECTED, reason="the kernel needs x86-64 and a C++ compiler")
 @pytest.mark.parametrize("in_out", [False, True], ids=["out_in", "in_out"])
 @pytest.mark.parametrize("out,inner", [(1, 1), (3, 5), (17, 9), (2, 8), (40, 15), (70, 3),
@@ -178,16 +226,50 @@ def test_kernel_in_a_while_loop_with_leading_axes_and_a_gradient():
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not KERNEL_EXPECTED, reason="the kernel needs x86-64 and a C++ compiler")
+@pytest.mark.parametrize("out,inner", [(16, 1), (16, 5), (32, 9), (48, 3)])
+def test_panel_kernel_on_small_shapes_in_a_loop_with_a_gradient(out, inner):
+    """Tiny `in`, a single panel, leading axes as rows, inside a ``while_loop``; the gradient
+    is the XLA dot's."""
+    w = _random((out, inner), 13) / np.sqrt(inner)
+    panels = rm.to_panels(w)
+    for rows in (1, 4, 6, 7, 12):
+        x = _random((rows, inner), rows)
+        ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+        np.testing.assert_allclose(np.asarray(jax.jit(rm.panel_matmul)(x, panels)), ref,
+                                   rtol=0, atol=_rtol(True, inner) * max(np.abs(ref).max(), 1.0))
+    square = rm.to_panels(_random((16, 16), 14) / 4.0)  # h -> tanh(h @ w.T), 3 times
+
+    def loop(f, x):
+        return jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(f(h, square)), x)
+
+    h = _random((2, 3, 16), 15)  # leading axes are rows: 6
+    assert rm.FFI_TARGET_PANELS in _lowered_text(lambda h: loop(rm.panel_matmul, h), h)
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda h: loop(rm.panel_matmul, h))(h)),
+                               np.asarray(jax.jit(lambda h: loop(rm._xla_dot_panels, h))(h)),
+                               rtol=1e-5, atol=1e-6)
+    x = _random((2, 3, inner), 16)
+    loss = lambda f: (lambda x, p: jnp.sum(jnp.sin(f(x, p))))  # noqa: E731
+    got = jax.grad(loss(rm.panel_matmul), argnums=(0, 1))(x, panels)
+    want = jax.grad(loss(rm._xla_dot_panels), argnums=(0, 1))(x, panels)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+
+
 def test_fallback_when_switched_off_absent_or_not_float32(monkeypatch):
     """The XLA dot, and the same numbers, when the kernel is switched off or missing, for
     bfloat16, for more rows than the kernel takes, and when lowered for a TPU."""
     x, w = _random((4, 24), 5), _random((16, 24), 6)
     ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    panels = rm.to_panels(w)
     library.set_kernel_enabled(False)
     jax.clear_caches()  # traces are cached per function: re-trace under each switch
     assert rm.FFI_TARGET not in _lowered_text(rm.rows_matmul, x, w)
+    assert rm.FFI_TARGET_PANELS not in _lowered_text(rm.panel_matmul, x, panels)
     assert "off" in library.kernel_status()
     np.testing.assert_allclose(np.asarray(jax.jit(rm.rows_matmul)(x, w)), ref, rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jax.jit(rm.panel_matmul)(x, panels)), ref, rtol=1e-5,
                                atol=1e-5)
     library.set_kernel_enabled(None)
     monkeypatch.setattr(library, "_load", lambda: (False, "not built (test)"))
@@ -198,9 +280,13 @@ def test_fallback_when_switched_off_absent_or_not_float32(monkeypatch):
     jax.clear_caches()
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     assert rm.FFI_TARGET not in _lowered_text(rm.rows_matmul, xb, wb)
+    assert rm.FFI_TARGET_PANELS not in _lowered_text(rm.panel_matmul, xb, panels.astype(xb.dtype))
     if library.kernel_available():
         tpu = jax.jit(rm.rows_matmul).trace(x, w).lower(lowering_platforms=("tpu",)).as_text()
         assert rm.FFI_TARGET not in tpu
+        tpu = jax.jit(rm.panel_matmul).trace(x, panels).lower(
+            lowering_platforms=("tpu",)).as_text()
+        assert rm.FFI_TARGET_PANELS not in tpu
 
 
 def test_single_row_blocks_fallback_equals_the_dot():

@@ -81,11 +81,12 @@ def param_to_hf(cfg: TargetConfig, params) -> dict[str, np.ndarray]:
     """Inverse of :func:`hf_to_param`: our tree -> HF-named ``[out, in]`` numpy arrays."""
     inverse = {v: s for s, v in _LAYER_NAMES.items()}
     n, h, d = cfg.num_heads, cfg.head_dim, cfg.hidden_size
+    params = to_stacked(params, cfg)  # serving params, with or without panels
     out = {"model.embed_tokens.weight": np.asarray(params["embed"]),
            "model.norm.weight": np.asarray(params["final_norm"])}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = np.asarray(params["lm_head"]).T
-    for key, stacked in to_stacked(params, cfg)["layers"].items():
+    for key, stacked in params["layers"].items():
         stacked = np.asarray(stacked)
         for layer in range(cfg.num_layers):
             value = stacked[layer]

@@ -9,14 +9,16 @@ import dataclasses
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from eagle3_jax.checkpoints import weights_cache as cached_weights
 from eagle3_jax.checkpoints.default_model import default_model_path
 from eagle3_jax.checkpoints.gguf_loader import load_gguf
 from eagle3_jax.checkpoints.safetensors_loader import CheckpointError, load_safetensors
+from eagle3_jax.kernels.matmul import panels_in_use
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.params import Params, serving_specs, to_serving
+from eagle3_jax.model.params import Params, serving_specs, to_panels, to_serving
 from eagle3_jax.presets import DEFAULT_PRESET, Preset, PresetError, list_presets, load_preset
 from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
 from eagle3_jax.text.tokenizer import ChatTokenizer
@@ -71,6 +73,7 @@ def load_target(
     dtype: str | None = None,
     weights_cache: bool = True,
     layout: str | None = None,
+    panels: bool | None = None,
 ) -> LoadedTarget:
     """Load a target model and its tokenizer onto ``mesh``.
 
@@ -87,6 +90,9 @@ def load_target(
       weights_cache: serving-layout params are read from / written to the serving-weights cache
         (:mod:`eagle3_jax.checkpoints.weights_cache`; ``EAGLE3_JAX_WEIGHTS_CACHE=0`` turns it
         off everywhere).
+      panels: hold the serving matrices as panels (``eagle3_jax.model.params.to_panels``), the
+        form the CPU matmul kernel streams fastest. None: where that kernel runs them, i.e. the
+        serving layout in float32 on a one-device CPU mesh with the kernel built and on.
     Raises:
       CheckpointError (or PresetError) naming the path or preset and what is accepted.
     """
@@ -108,6 +114,7 @@ def load_target(
             cfg, params = hit
             if source.preset is not None:
                 _check_matches(source.preset, cfg)
+            params = _panels(params, cfg, mesh, layout, panels)
             return LoadedTarget(cfg, params, source.tokenizer(), source.description, mesh,
                                 source.path)
     cfg, params = source.read(mesh, mode, dtype)
@@ -116,8 +123,23 @@ def load_target(
         params = to_serving(params, cfg, shardings=shardings, delete_stacked=True)
         if use_cache:
             cached_weights.save(cache_file, params, cfg)
+        params = _panels(params, cfg, mesh, layout, panels)
     # The tokenizer after the weights: a damaged file gets the weights reader's error.
     return LoadedTarget(cfg, params, source.tokenizer(), source.description, mesh, source.path)
+
+
+def _panels(params: Params, cfg: TargetConfig, mesh: Mesh, layout: str,
+            panels: bool | None) -> Params:
+    """``params`` with their matrices as panels where asked (None: where they pay)."""
+    if panels is None:
+        dtypes = {a.dtype for a in jax.tree.leaves(params)}
+        panels = (layout == "serving" and mesh.devices.size == 1
+                  and mesh.devices.flat[0].platform == "cpu" and dtypes == {jnp.dtype(jnp.float32)}
+                  and panels_in_use(jnp.float32))
+    if panels and layout != "serving":
+        raise ValueError("panels=True needs layout='serving' (the stacked training layout has "
+                         "no panel form)")
+    return to_panels(params, cfg, delete_rows=True) if panels else params
 
 
 def _resolve(target) -> _Source:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from eagle3_jax.decoding.sampling import greedy_argmax
 from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache
+from eagle3_jax.kernels.matmul import weight_rows
 from eagle3_jax.model.target import KVCache, causal_mask, forward
 
 
@@ -128,7 +129,7 @@ def measure_draft_steps(head, embed, context: int, widths: Sequence[int],
         mask = jnp.arange(slots)[None, None, :] <= pos[:, :, None]
 
         def run(tokens=tokens, g=g, pos=pos, mask=mask):
-            return step(head.params, embeds=jnp.take(embed, tokens, axis=0), g=g, positions=pos,
+            return step(head.params, embeds=weight_rows(embed, tokens), g=g, positions=pos,
                         mask=mask, cache_k=cache_k, cache_v=cache_v, write_slots=pos)
         fns[w] = run
     return interleaved_medians(fns, repeats, warmup=1)

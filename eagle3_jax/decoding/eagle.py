@@ -45,6 +45,7 @@ from eagle3_jax.decoding.tree import TreeConfig, build_tree
 from eagle3_jax.decoding.verify import accept, commit_path, verify_forward
 from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache, fuse_taps
 from eagle3_jax.draft.params import DraftHead
+from eagle3_jax.kernels.matmul import weight_rows
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import Params
 from eagle3_jax.model.target import KVCache, causal_mask, prefill
@@ -120,7 +121,7 @@ def _draft_extend(head: DraftHead, embed, taps, next_tokens, count, draft_k, dra
     mask = causal_mask(end, w, draft_v.shape[2])
     g = fuse_taps(head.params, head.cfg, taps)
     h, logits, draft_k, draft_v = draft_step_cached(
-        head.params, head.cfg, jnp.take(embed, jnp.maximum(next_tokens, 0), axis=0), g,
+        head.params, head.cfg, weight_rows(embed, jnp.maximum(next_tokens, 0)), g,
         positions, mask, draft_k, draft_v, positions, outputs_at=jnp.maximum(count - 1, 0))
     return h[:, 0], jax.nn.log_softmax(logits[:, 0]), draft_k, draft_v
 

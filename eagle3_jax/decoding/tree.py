@@ -37,6 +37,7 @@ from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.draft.model import draft_step_cached
 from eagle3_jax.draft.params import VocabMap
+from eagle3_jax.kernels.matmul import weight_rows
 from eagle3_jax.model.params import Params
 
 
@@ -131,7 +132,8 @@ def build_tree(
     """Grow the draft tree for every row.
 
     Args:
-      params, cfg, vocab: the draft head; embed [V, D] the target's embedding table.
+      params, cfg, vocab: the draft head; embed [V, D] the target's embedding table, or its
+        panels [V/16, D, 16] (``eagle3_jax.kernels.matmul.weight_rows``).
       root_tokens: [B] the token the target produced last (tree index 0).
       root_logp: [B, Vd] draft log-probabilities for the root's children.
       root_h: [B, D] the draft's output feature at the context's last index.
@@ -166,7 +168,7 @@ def build_tree(
         mask = (rel < 0) | (in_tree & tree_ok)  # [B, k, Sd]
         positions = jnp.broadcast_to((end - 1 + level)[:, None], (b, k))
         h, logits, cache_k, cache_v = draft_step_cached(
-            params, cfg, jnp.take(embed, frontier_tokens, axis=0), frontier_h, positions, mask,
+            params, cfg, weight_rows(embed, frontier_tokens), frontier_h, positions, mask,
             cache_k, cache_v, end[:, None] + own[None, :])
         child_logp, child_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B,k,k]
         child_scores = (frontier_scores[:, :, None] + child_logp).reshape(b, k * k)

@@ -1,5 +1,8 @@
 """``rows_matmul(x, w)``: x [..., I] times an [out, in] weight w [O, I] -> [..., O]
-(``in_out=True``: times an [in, out] weight w [I, O], the draft head's layout).
+(``in_out=True``: times an [in, out] weight w [I, O], the draft head's layout);
+``panel_matmul(x, p)``: the same product with the weight regrouped as panels
+p [O/16, I, 16] (``to_panels``), the form the CPU kernel streams fastest (the target's serving
+weights on CPU: ``eagle3_jax.model.params.to_panels``).
 
 On CPU, for float32 and at most ``KERNEL_MAX_ROWS`` rows (a decode step, a draft step, a tree
 verification), this runs the package's C++ kernel (``kernels/cpu/rows_matmul.cc``, an XLA FFI
@@ -35,6 +38,8 @@ from eagle3_jax.kernels.library import kernels_in_use
 KERNEL_MAX_ROWS = 64
 FFI_TARGET = "eagle3_rows_matmul"  # w [out, in]
 FFI_TARGET_IN_OUT = "eagle3_rows_matmul_in_out"  # w [in, out]
+FFI_TARGET_PANELS = "eagle3_panel_matmul"  # w as panels [out / 16, in, 16]
+PANEL = 16  # outputs per panel
 
 
 def uses_kernel(rows: int, dtype, in_out: bool = False) -> bool:
@@ -50,6 +55,34 @@ def _xla_dot(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Arr
 
 def _xla_dot_in_out(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
     return jnp.einsum("...I,IO->...O", x, w, preferred_element_type=preferred_element_type)
+
+
+def _xla_dot_panels(x: jax.Array, p: jax.Array, preferred_element_type=None) -> jax.Array:
+    y = jnp.einsum("...I,PIC->...PC", x, p, preferred_element_type=preferred_element_type)
+    return y.reshape(x.shape[:-1] + (p.shape[0] * PANEL,))
+
+
+def to_panels(w: jax.Array) -> jax.Array:
+    """An [out, in] weight [O, I] -> its panels [O/16, I, 16]: ``p[q, i, c] = w[16 q + c, i]``
+    (O a multiple of 16). Exact; only moves data."""
+    o, i = w.shape
+    if o % PANEL:
+        raise ValueError(f"to_panels: out = {o} is not a multiple of {PANEL}")
+    return w.reshape(o // PANEL, PANEL, i).transpose(0, 2, 1)
+
+
+def from_panels(p: jax.Array) -> jax.Array:
+    """Inverse of :func:`to_panels`: panels [O/16, I, 16] -> [O, I]."""
+    q, i, c = p.shape
+    return p.transpose(0, 2, 1).reshape(q * c, i)
+
+
+def weight_rows(w: jax.Array, index: jax.Array) -> jax.Array:
+    """Rows ``index`` [...] of an [O, I] matrix held as [O, I] or as its panels [O/16, I, 16]
+    (an embedding lookup): [..., I]."""
+    if w.ndim == 2:
+        return jnp.take(w, index, axis=0)
+    return w[index // PANEL, :, index % PANEL]
 
 
 def _xla_single_row(x: jax.Array, w: jax.Array, blocks: int) -> jax.Array:
@@ -86,6 +119,47 @@ def _kernel(target: str, out_axis: int, xla_dot):
 
 _kernel_dot = _kernel(FFI_TARGET, 0, _xla_dot)  # w [out, in]
 _kernel_dot_in_out = _kernel(FFI_TARGET_IN_OUT, 1, _xla_dot_in_out)  # w [in, out]
+
+
+def _panel_kernel():
+    """The panel custom call as a differentiable function of (x, p); JVP: the XLA dot's."""
+
+    @jax.custom_jvp
+    def dot(x: jax.Array, p: jax.Array) -> jax.Array:
+        return _ffi(FFI_TARGET_PANELS, x, p.shape[0] * PANEL)(x, p)
+
+    @dot.defjvp
+    def _jvp(primals, tangents):
+        x, p = primals
+        dx, dp = tangents
+        return dot(x, p), _xla_dot_panels(dx, p) + _xla_dot_panels(x, dp)
+
+    return dot
+
+
+_kernel_dot_panels = _panel_kernel()
+
+
+def panel_matmul(x: jax.Array, p: jax.Array, *, preferred_element_type=None) -> jax.Array:
+    """x [..., I] @ the weight whose panels are p [O/16, I, 16] (``to_panels``) -> [..., O].
+
+    On CPU, float32, the kernel (``kernels/cpu/rows_matmul.cc``, ``PanelRange``) at any number
+    of rows: it streams each panel once per 64 rows and keeps the FMA units near their peak
+    (a SmolLM2 forward's matrices at 64 rows: 173 GFLOP/s on a 2-core AVX2 CPU whose measured
+    peak is ~179). Elsewhere the XLA dot over the panels (accelerators never hold panels: they
+    are made at load on CPU only, ``eagle3_jax.model.params.to_panels``).
+    """
+    out_type = jnp.dtype(preferred_element_type or x.dtype)
+    if (x.dtype == p.dtype == out_type and math.prod(x.shape[:-1]) > 0
+            and kernels_in_use(x.dtype, "matmul")):
+        return jax.lax.platform_dependent(x, p, cpu=_kernel_dot_panels, default=_xla_dot_panels)
+    return _xla_dot_panels(x, p, preferred_element_type=preferred_element_type)
+
+
+def panels_in_use(dtype) -> bool:
+    """Whether float32 weights traced now on CPU would run the panel kernel, i.e. whether a
+    serving model should hold its matrices as panels (``eagle3_jax.model.params.to_panels``)."""
+    return kernels_in_use(dtype, "matmul")
 
 
 def rows_matmul(x: jax.Array, w: jax.Array, *, in_out: bool = False,

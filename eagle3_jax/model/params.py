@@ -32,6 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax.kernels.matmul import PANEL
+from eagle3_jax.kernels.matmul import from_panels as from_weight_panels
+from eagle3_jax.kernels.matmul import to_panels as to_weight_panels
 from eagle3_jax.model.config import TargetConfig
 
 Params = dict[str, Any]
@@ -123,6 +126,13 @@ def param_bytes(params: Params) -> int:
 #   w_gate_up [2, F, D]       ("gate_up", "mlp", "embed")
 #   w_down    [D, F]          ("embed", "mlp")
 #   attn_norm, mlp_norm [D]; q_norm, k_norm [H] (Qwen3) as in the stacked table.
+#
+# Panels (``to_panels``; what ``load_target`` gives for float32 decoding on one CPU device where
+# the CPU matmul kernel runs): each of those four matrices, seen as [out, in], becomes
+# ``<name>_panels`` [out/16, in, 16] (``eagle3_jax.kernels.matmul.to_panels``), and so does the
+# output head: a tied ``embed`` is held as its panels [V/16, D, 16] (lookups read them with
+# ``weight_rows``), an untied ``lm_head`` [D, V] becomes ``lm_head_panels`` [V/16, D, 16]. The
+# forward reads either form; a matrix whose `out` is not a multiple of 16 stays as it is.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -247,9 +257,84 @@ def to_serving(params: Params, cfg: TargetConfig, *, shardings: Any = None,
     return {**params, "layers": tuple(per_layer)}
 
 
+# Serving matrices as [out, in] (the shapes ``_layer`` multiplies by), by entry name.
+def _serving_matrices(cfg: TargetConfig) -> dict[str, tuple[int, int]]:
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return {"wqkv": ((n + 2 * k) * h, d), "wo": (d, n * h), "w_gate_up": (2 * f, d),
+            "w_down": (d, f)}
+
+
+def has_panels(params: Params) -> bool:
+    """Whether serving ``params`` hold their matrices as panels (:func:`to_panels`)."""
+    return params["embed"].ndim == 3 or "lm_head_panels" in params or any(
+        name.endswith("_panels") for name in params["layers"][0])
+
+
+def to_panels(params: Params, cfg: TargetConfig, *, delete_rows: bool = False) -> Params:
+    """Serving params -> the same with every matrix as panels (the table above; exact, only
+    moves data). For float32 decoding on one CPU device, where the CPU matmul kernel streams
+    panels fastest (``eagle3_jax.kernels.matmul.panel_matmul``). Params with panels already,
+    and stacked params, are returned unchanged.
+
+    ``delete_rows``: delete each matrix once its panels are made (the caller must not use
+    ``params`` afterwards): peak extra memory is one layer's matrices or the output head.
+    """
+    if not is_serving(params) or has_panels(params):
+        return params
+    shapes = {name: shape for name, shape in _serving_matrices(cfg).items()
+              if shape[0] % PANEL == 0}
+    layer_fn = jax.jit(lambda p: {name + "_panels": to_weight_panels(p[name].reshape(shape))
+                                  for name, shape in shapes.items()})
+
+    def release(made, *arrays):  # delete ``arrays`` once ``made`` from them is computed
+        if delete_rows:
+            jax.block_until_ready(made)
+            for a in arrays:
+                a.delete()
+
+    layers = []
+    for p in params["layers"]:
+        matrices = {name: p[name] for name in shapes}
+        out_parts = layer_fn(matrices)
+        layers.append({**{n: a for n, a in p.items() if n not in shapes}, **out_parts})
+        release(out_parts, *matrices.values())
+    out = {**params, "layers": tuple(layers)}
+    if cfg.tie_word_embeddings and params["embed"].shape[0] % PANEL == 0:
+        out["embed"] = jax.jit(to_weight_panels)(params["embed"])
+        release(out["embed"], params["embed"])
+    elif not cfg.tie_word_embeddings and params["lm_head"].shape[1] % PANEL == 0:
+        del out["lm_head"]
+        out["lm_head_panels"] = jax.jit(lambda w: to_weight_panels(w.T))(params["lm_head"])
+        release(out["lm_head_panels"], params["lm_head"])
+    return out
+
+
+def from_panels(params: Params, cfg: TargetConfig) -> Params:
+    """Inverse of :func:`to_panels` (params without panels are returned unchanged)."""
+    if not is_serving(params) or not has_panels(params):
+        return params
+    specs = serving_layer_specs(cfg)
+    layers = []
+    for p in params["layers"]:
+        layer = {name: a for name, a in p.items() if not name.endswith("_panels")}
+        for name in _serving_matrices(cfg):
+            if name + "_panels" in p:
+                layer[name] = from_weight_panels(p[name + "_panels"]).reshape(specs[name].shape)
+        layers.append(layer)
+    out = {**params, "layers": tuple(layers)}
+    if params["embed"].ndim == 3:
+        out["embed"] = from_weight_panels(params["embed"])
+    if "lm_head_panels" in params:
+        del out["lm_head_panels"]
+        out["lm_head"] = from_weight_panels(params["lm_head_panels"]).T
+    return out
+
+
 def to_stacked(params: Params, cfg: TargetConfig) -> Params:
     """Inverse of :func:`to_serving` (stacked params are returned unchanged)."""
     if not is_serving(params):
         return params
+    params = from_panels(params, cfg)
     layers = [from_serving_layer(p, cfg) for p in params["layers"]]
     return {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from eagle3_jax.kernels import rows_matmul
+from eagle3_jax.kernels.matmul import panel_matmul, weight_rows
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.layers import (attention_with_cache, empty_kv, rms_norm, rope_cos_sin,
                                      rope_inv_freq, write_kv)
@@ -113,7 +114,7 @@ def _layer(p: Params, cfg: TargetConfig, h: jax.Array, rope: tuple[jax.Array, ja
     n, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     g = n // kv
     x = rms_norm(h, p["attn_norm"], cfg.rms_norm_eps)
-    qkv = rows_matmul(x, p["wqkv"].reshape(-1, d)).reshape(b, t, kv, g + 2, hd)
+    qkv = _matmul(x, p, "wqkv", (-1, d)).reshape(b, t, kv, g + 2, hd)
     if cfg.attention_bias:
         qkv = qkv + p["bqkv"]
     q, k, v = qkv[:, :, :, :g].reshape(b, t, n, hd), qkv[:, :, :, g], qkv[:, :, :, g + 1]
@@ -122,11 +123,19 @@ def _layer(p: Params, cfg: TargetConfig, h: jax.Array, rope: tuple[jax.Array, ja
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     attn, k = attention_with_cache(q, k, v, rope, past, new_mask)
     attn = attn.reshape(b, t, n * hd)
-    h = h + rows_matmul(attn, p["wo"].reshape(d, n * hd), xla_single_row_blocks=CPU_MATVEC_ROW_BLOCKS)
+    h = h + _matmul(attn, p, "wo", (d, n * hd), xla_single_row_blocks=CPU_MATVEC_ROW_BLOCKS)
     x = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
-    gate_up = rows_matmul(x, p["w_gate_up"].reshape(-1, d)).reshape(b, t, 2, -1)
+    gate_up = _matmul(x, p, "w_gate_up", (-1, d)).reshape(b, t, 2, -1)
     mlp = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
-    return h + rows_matmul(mlp, p["w_down"]), k, v
+    return h + _matmul(mlp, p, "w_down", (d, -1)), k, v
+
+
+def _matmul(x: jax.Array, p: Params, name: str, shape: tuple[int, int], **kwargs) -> jax.Array:
+    """x [..., in] times the layer's matrix ``name`` seen as [out, in] (``shape``), held as it
+    is or as its panels ``<name>_panels`` (``eagle3_jax.model.params.to_panels``)."""
+    if name + "_panels" in p:
+        return panel_matmul(x, p[name + "_panels"])
+    return rows_matmul(x, p[name].reshape(shape), **kwargs)
 
 
 def forward(
@@ -237,7 +246,7 @@ def forward_stacked(
 
 def _embed(params: Params, cfg: TargetConfig, tokens: jax.Array) -> jax.Array:
     """tokens [B, T] -> embeddings [B, T, D] in the target's dtype."""
-    return jnp.take(params["embed"], tokens, axis=0).astype(jnp.dtype(cfg.dtype))
+    return weight_rows(params["embed"], tokens).astype(jnp.dtype(cfg.dtype))
 
 
 def _finish(params: Params, cfg: TargetConfig, h: jax.Array, taps: list, logit_positions,
@@ -293,7 +302,11 @@ def _write_cache(cache: KVCache, new_k, new_v, after: jax.Array) -> KVCache:
 
 def output_logits(params: Params, cfg: TargetConfig, hidden: jax.Array) -> jax.Array:
     """Final-normed hidden [B, T, D] -> float32 logits [B, T, V] (tied or untied head)."""
+    if cfg.tie_word_embeddings and params["embed"].ndim == 3:  # embed as panels
+        return panel_matmul(hidden, params["embed"], preferred_element_type=jnp.float32)
     if cfg.tie_word_embeddings:  # embed [V, D] is [out, in]
         return rows_matmul(hidden, params["embed"], preferred_element_type=jnp.float32)
+    if "lm_head_panels" in params:
+        return panel_matmul(hidden, params["lm_head_panels"], preferred_element_type=jnp.float32)
     return rows_matmul(hidden, params["lm_head"], in_out=True,  # lm_head [D, V] is [in, out]
                        preferred_element_type=jnp.float32)
