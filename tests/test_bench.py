@@ -15,7 +15,7 @@ def test_bench_forward_writes_curve_and_floor(smollm2_gguf_path, tmp_path):
                  "--plot", str(png)]) == 0
     result = json.loads(out.read_text())
     assert set(result["forward_ms"]) == {"1", "4"} and result["decode_floor_ms"] > 0
-    assert set(result["forward_ms_by_mode"]) <= {"kernel", "matmul kernel", "xla"}
+    assert set(result["forward_ms_by_mode"]) <= {"kernel", "matmul kernel", "rows kernel", "xla"}
     assert "xla" in result["forward_ms_by_mode"]
     assert result["compute_floor_ms"]["4"] > result["compute_floor_ms"]["1"] > 0
     assert result["matmul_peak_gflop_s"] > 0 and result["forward_over_floor"]["1"] > 0

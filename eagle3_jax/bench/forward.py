@@ -10,10 +10,11 @@ Measures, on the running machine:
     read of an array as large as the parameters) and compute (the forward's FLOPs / the float32
     matmul peak measured in the same run), per T, and the ratios of each forward to the decode
     step and to max(floors);
-  * every forward three times: XLA ops only, the CPU kernel for few-row matmuls
-    (``eagle3_jax.kernels.matmul``), and that plus the cached-attention kernel
-    (``eagle3_jax.kernels.attention``; alternating rounds, medians), so the table shows what
-    each kernel buys;
+  * every forward four times: XLA ops only; both CPU kernels on the [out, in] serving matrices
+    (the few-row matmul kernel, ``eagle3_jax.kernels.matmul``, and the cached-attention kernel,
+    ``eagle3_jax.kernels.attention``); the panel matmul kernel on the matrices as panels
+    (``eagle3_jax.model.params.to_panels``); and both kernels on panels, what decoding runs
+    (alternating rounds, medians), so the table shows what each form buys;
   * one draft step of the target's shipped head over w = 1, 4, 10 tokens (a tree level);
   * greedy tokens/s of ``eagle3_jax.decoding.generate`` against HF transformers float32 greedy
     ``generate`` on the same chat prompts, batch 1, interleaved, medians.
@@ -108,25 +109,32 @@ def compute_floor_seconds(cfg, context: int, t: int, peak_flops: float) -> float
 
 
 def curves_by_kernel(params, cfg, context: int, sizes, repeats: int, rounds: int):
-    """{"xla": curve, "matmul kernel": curve, "kernel": curve} (seconds per T, and "loop"): the
-    same forwards with XLA ops only, with the CPU matmul kernel, and with both CPU kernels
-    (matmul and cached attention), ``rounds`` alternating rounds (recompiled each), per-T
-    median of rounds. Only {"xla": ...} where the kernels are unavailable."""
+    """{"xla": curve, "rows kernel": curve, "matmul kernel": curve, "kernel": curve} (seconds
+    per T, and "loop"): the same forwards with XLA ops only; with both CPU kernels on the
+    [out, in] serving matrices (the form before panels); with the panel matmul kernel alone
+    (XLA's attention); and with both kernels on panels, what decoding runs here. ``rounds``
+    alternating rounds (recompiled each), per-T median of rounds. Only {"xla": ...} where the
+    kernels are unavailable."""
     from eagle3_jax.kernels import library as rm
+    from eagle3_jax.model.params import from_panels, to_panels
 
     previous = rm.set_kernel_enabled(None)
     # "kernel": what decoding runs here (the families this CPU prefers).
     defaults = tuple(f for f in rm.FAMILIES if rm.kernels_enabled(f))
-    settings = {"xla": False, "matmul kernel": tuple(f for f in defaults if f != "attention"),
-                "kernel": None}
+    rows = from_panels(params, cfg)
+    panels = to_panels(params, cfg) if rm.kernel_available() else rows
+    settings = {"xla": (False, rows), "rows kernel": (None, rows),
+                "matmul kernel": (tuple(f for f in defaults if f != "attention"), panels),
+                "kernel": (None, panels)}
     modes = tuple(settings) if rm.kernel_available() else ("xla",)
     samples: dict[str, list[dict]] = {mode: [] for mode in modes}
     try:
         for _ in range(rounds):
             for mode in modes:
-                rm.set_kernel_enabled(settings[mode])
+                switch, mode_params = settings[mode]
+                rm.set_kernel_enabled(switch)
                 jax.clear_caches()
-                samples[mode].append(forward_curve(params, cfg, context, sizes, repeats,
+                samples[mode].append(forward_curve(mode_params, cfg, context, sizes, repeats,
                                                    loop_steps=LOOP_STEPS))
     finally:
         rm.set_kernel_enabled(previous)
@@ -157,8 +165,9 @@ def plot_curve(path: str, curves_ms: dict[str, dict[int, float]], bandwidth_ms: 
     import matplotlib.pyplot as plt
     sizes = sorted(compute_ms)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {"kernel": ("o-", "forward, CPU kernels (matmul + attention)"),
-              "matmul kernel": ("^:", "forward, CPU matmul kernel, XLA attention"),
+    styles = {"kernel": ("o-", "forward, CPU kernels on panels (matmul + attention)"),
+              "matmul kernel": ("^:", "forward, panel matmul kernel, XLA attention"),
+              "rows kernel": ("d-.", "forward, CPU kernels on [out, in] matrices"),
               "xla": ("s--", "forward, XLA ops only")}
     for mode, curve in curves_ms.items():
         style, label = styles[mode]
@@ -189,7 +198,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="1,2,4,8,16,32,64")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=2,
-                        help="alternating rounds of the curve with XLA ops, the matmul kernel, both kernels")
+                        help="alternating rounds of the curve with XLA ops, both kernels on the "
+                             "[out, in] matrices, the panel matmul kernel, both kernels on panels")
     parser.add_argument("--draft-widths", default="1,4,10",
                         help="draft step widths to time with the target's shipped head")
     parser.add_argument("--max-new-tokens", type=int, default=128)
