@@ -3,6 +3,9 @@
 //   y[m, o] = sum_i x[m, i] * w[o, i]      x [M, I] f32, w [O, I] f32, y [M, O] f32
 //   y[m, o] = sum_i x[m, i] * w[i, o]      the same with w [I, O] (`Eagle3RowsMatmulInOut`:
 //                                          the draft head's weights, an untied output head)
+//   y[m, 16p + c] = sum_i x[m, i] * w[p, i, c]   the same with w as panels [O/16, I, 16]
+//                                          (`Eagle3PanelMatmul`: the target's serving weights
+//                                          on CPU; see "Panels" below)
 //
 // Why: XLA CPU runs a dot with few rows (M = 1..64: a decode step, a draft-tree verification)
 // as a general matmul that packs the whole weight into a scratch layout on every call, so a
