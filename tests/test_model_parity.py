@@ -42,11 +42,13 @@ LLAMA3_ROPE = {
     "rope_theta": 10000.0,
 }
 
+# Two cases have a vocabulary of 96 (a multiple of 16), so the panel layout holds their output
+# head as panels too (untied lm_head, tied embedding); the others' 97 keep it as it is.
 CASES = {
-    "llama_mha": ("llama", dict(num_key_value_heads=4)),
+    "llama_mha": ("llama", dict(num_key_value_heads=4, vocab_size=96)),
     "llama_gqa": ("llama", dict(num_key_value_heads=2)),
     "llama_mqa": ("llama", dict(num_key_value_heads=1)),
-    "llama_tied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "llama_tied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=True, vocab_size=96)),
     "llama3_rope": ("llama", dict(hidden_size=64, num_key_value_heads=2,
                                   rope_parameters=LLAMA3_ROPE)),
     "qwen2_bias": ("qwen2", dict(num_key_value_heads=2)),
@@ -134,6 +136,13 @@ def test_config_features_were_exercised():
     assert cfgs["llama_mqa"].num_kv_heads == 1
     assert cfgs["llama_tied"].tie_word_embeddings and cfgs["qwen2_tied"].tie_word_embeddings
     assert "lm_head" not in _model("llama_tied")[2]
+    # The panel layout's output heads: untied and tied as panels, and one left as it is.
+    assert "lm_head_panels" in to_panels(to_serving(_model("llama_mha")[2], cfgs["llama_mha"]),
+                                         cfgs["llama_mha"])
+    assert to_panels(to_serving(_model("llama_tied")[2], cfgs["llama_tied"]),
+                     cfgs["llama_tied"])["embed"].ndim == 3
+    assert to_panels(to_serving(_model("llama_gqa")[2], cfgs["llama_gqa"]),
+                     cfgs["llama_gqa"])["embed"].ndim == 2
     assert cfgs["llama3_rope"].rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 32)
     assert cfgs["qwen2_bias"].attention_bias and not cfgs["qwen2_bias"].qk_norm
     assert cfgs["qwen3_qk_norm"].qk_norm and not cfgs["qwen3_qk_norm"].attention_bias
