@@ -100,13 +100,13 @@ def _ffi(target: str, x: jax.Array, out: int) -> callable:
     return jax.ffi.ffi_call(target, out_type, vmap_method="sequential")
 
 
-def _kernel(target: str, out_axis: int, xla_dot):
+def _kernel(target: str, out_width, xla_dot):
     """The custom call ``target`` as a differentiable function of (x, w): its JVP (and so its
-    gradient) is ``xla_dot``'s; ``w.shape[out_axis]`` is the output width."""
+    gradient) is ``xla_dot``'s; ``out_width(w)`` is the output width."""
 
     @jax.custom_jvp
     def dot(x: jax.Array, w: jax.Array) -> jax.Array:
-        return _ffi(target, x, w.shape[out_axis])(x, w)
+        return _ffi(target, x, out_width(w))(x, w)
 
     @dot.defjvp
     def _jvp(primals, tangents):
@@ -117,27 +117,9 @@ def _kernel(target: str, out_axis: int, xla_dot):
     return dot
 
 
-_kernel_dot = _kernel(FFI_TARGET, 0, _xla_dot)  # w [out, in]
-_kernel_dot_in_out = _kernel(FFI_TARGET_IN_OUT, 1, _xla_dot_in_out)  # w [in, out]
-
-
-def _panel_kernel():
-    """The panel custom call as a differentiable function of (x, p); JVP: the XLA dot's."""
-
-    @jax.custom_jvp
-    def dot(x: jax.Array, p: jax.Array) -> jax.Array:
-        return _ffi(FFI_TARGET_PANELS, x, p.shape[0] * PANEL)(x, p)
-
-    @dot.defjvp
-    def _jvp(primals, tangents):
-        x, p = primals
-        dx, dp = tangents
-        return dot(x, p), _xla_dot_panels(dx, p) + _xla_dot_panels(x, dp)
-
-    return dot
-
-
-_kernel_dot_panels = _panel_kernel()
+_kernel_dot = _kernel(FFI_TARGET, lambda w: w.shape[0], _xla_dot)  # w [out, in]
+_kernel_dot_in_out = _kernel(FFI_TARGET_IN_OUT, lambda w: w.shape[1], _xla_dot_in_out)
+_kernel_dot_panels = _kernel(FFI_TARGET_PANELS, lambda p: p.shape[0] * PANEL, _xla_dot_panels)
 
 
 def panel_matmul(x: jax.Array, p: jax.Array, *, preferred_element_type=None) -> jax.Array:

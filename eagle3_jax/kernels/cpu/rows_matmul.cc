@@ -352,7 +352,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void MicroPanel(
   for (int m = 0; m < RM; ++m) lo[m] = _mm256_setzero_ps();
   for (int m = 0; m < RM; ++m) hi[m] = _mm256_setzero_ps();
   int64_t ahead = 0;  // in 1/1024 of a cache line
-  // in >= 1 (RunPanels). As a do-while with an unconditional prefetch GCC keeps the
+  // in >= 1 (Run). As a do-while with an unconditional prefetch GCC keeps the
   // accumulators in registers; a for loop's zero-trip path, or a branch around the prefetch,
   // made it store them to the stack on every step (up to 3x slower).
   int64_t i = 0;
@@ -443,51 +443,26 @@ int64_t ChunkSize(int64_t out, int64_t threads, int64_t unit) {
 }
 
 // y [rows, out] = x [rows, in] times w: [out, in] when `w_in_out` is false, else [in, out].
-// y [rows, 16 P] = x [rows, in] times panels w [P, in, 16] (see PanelRange).
-ffi::Error RunPanels(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w,
-                     ffi::ResultBuffer<ffi::F32>& y) {
-#if EAGLE3_X86
-  const auto x_dims = x.dimensions();
-  const auto w_dims = w.dimensions();
-  if (w_dims.size() != 3 || w_dims[2] != kPanel || x_dims.size() < 1)
-    return ffi::Error::InvalidArgument("panel_matmul: w must be [P, in, 16] and x [..., in]");
-  const int64_t panels = w_dims[0], in = w_dims[1];
-  if (x_dims[x_dims.size() - 1] != in)
-    return ffi::Error::InvalidArgument("panel_matmul: x's last axis must equal w's `in`");
-  const int64_t rows = x.element_count() / (in > 0 ? in : 1), out = panels * kPanel;
-  if (rows == 0 || out == 0) return ffi::Error::Success();
-  if (in == 0) {
-    std::memset(y->typed_data(), 0, sizeof(float) * rows * out);
-    return ffi::Error::Success();
-  }
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* yp = y->typed_data();
-  // 1-4 tasks per thread of at least 8 panels, their sizes within one panel of each other (a
-  // 36-panel matrix on 2 threads: 4 tasks of 9, not 8 + 8 + 8 + 8 + 4, whose odd task left one
-  // thread idle for a fifth of the call). Each task prefetches its own panels after the first.
-  const int64_t threads = eagle3::ThreadCount(pool);
-  int64_t per_thread = panels / (8 * threads);
-  per_thread = per_thread < 1 ? 1 : (per_thread > 4 ? 4 : per_thread);
-  const int64_t tasks = panels < threads * per_thread ? panels : threads * per_thread;
-  eagle3::ParallelFor(pool, tasks, [&](int64_t c) {
-    PanelRange(xp, rows, wp, in, yp, out, c * panels / tasks, (c + 1) * panels / tasks);
-  });
-  return ffi::Error::Success();
-#else
-  return ffi::Error::Internal("panel_matmul: built for a CPU other than x86-64");
-#endif
-}
+// The weight layouts the handlers take.
+enum class Layout { kOutIn, kInOut, kPanels };  // w [out, in], [in, out], panels [P, in, 16]
 
+// y [rows, out] = x [rows, in] times w in `layout`: the shapes checked, then `out` cut into
+// tasks run on XLA's intra-op pool.
+template <Layout layout>
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w,
-               ffi::ResultBuffer<ffi::F32>& y, bool w_in_out) {
+               ffi::ResultBuffer<ffi::F32>& y) {
 #if EAGLE3_X86
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
-  if (w_dims.size() != 2 || x_dims.size() < 1)
-    return ffi::Error::InvalidArgument("rows_matmul: w must be 2-D and x [..., in]");
-  const int64_t out = w_in_out ? w_dims[1] : w_dims[0];
-  const int64_t in = w_in_out ? w_dims[0] : w_dims[1];
+  const bool panels = layout == Layout::kPanels;
+  if (x_dims.size() < 1 || (panels ? w_dims.size() != 3 || w_dims[2] != kPanel
+                                   : w_dims.size() != 2))
+    return ffi::Error::InvalidArgument(
+        panels ? "panel_matmul: w must be [P, in, 16] and x [..., in]"
+               : "rows_matmul: w must be 2-D and x [..., in]");
+  const int64_t in = layout == Layout::kOutIn || panels ? w_dims[1] : w_dims[0];
+  const int64_t out = panels ? w_dims[0] * kPanel
+                             : (layout == Layout::kOutIn ? w_dims[0] : w_dims[1]);
   if (x_dims[x_dims.size() - 1] != in)
     return ffi::Error::InvalidArgument("rows_matmul: x's last axis must equal w's `in`");
   const int64_t rows = x.element_count() / (in > 0 ? in : 1);
@@ -496,11 +471,26 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi:
     std::memset(y->typed_data(), 0, sizeof(float) * rows * out);
     return ffi::Error::Success();
   }
-  const OutRangeFn range = w_in_out ? kInOutRange : kOutRange;
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
-  const int64_t chunk = ChunkSize(out, eagle3::ThreadCount(pool), w_in_out ? 64 : 12);
+  const int64_t threads = eagle3::ThreadCount(pool);
+  if (panels) {
+    // 1-4 tasks per thread of at least 8 panels, their sizes within one panel of each other
+    // (a 36-panel matrix on 2 threads: 4 tasks of 9, not 8 + 8 + 8 + 8 + 4, whose odd task
+    // left one thread idle for a fifth of the call). Each task prefetches its own panels after
+    // the first.
+    const int64_t count = out / kPanel;
+    int64_t per_thread = count / (8 * threads);
+    per_thread = per_thread < 1 ? 1 : (per_thread > 4 ? 4 : per_thread);
+    const int64_t tasks = count < threads * per_thread ? count : threads * per_thread;
+    eagle3::ParallelFor(pool, tasks, [&](int64_t c) {
+      PanelRange(xp, rows, wp, in, yp, out, c * count / tasks, (c + 1) * count / tasks);
+    });
+    return ffi::Error::Success();
+  }
+  const OutRangeFn range = layout == Layout::kInOut ? kInOutRange : kOutRange;
+  const int64_t chunk = ChunkSize(out, threads, layout == Layout::kInOut ? 64 : 12);
   eagle3::ParallelFor(pool, (out + chunk - 1) / chunk, [&](int64_t c) {
     const int64_t begin = c * chunk;
     range(xp, rows, wp, in, yp, out, begin, begin + chunk < out ? begin + chunk : out);
@@ -511,43 +501,26 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi:
 #endif
 }
 
-ffi::Error RowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                          ffi::ResultBuffer<ffi::F32> y) {
-  return Run(pool, x, w, y, /*w_in_out=*/false);
-}
-
-ffi::Error RowsMatmulInOutImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                               ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
-  return Run(pool, x, w, y, /*w_in_out=*/true);
-}
-
-ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                           ffi::ResultBuffer<ffi::F32> y) {
-  return RunPanels(pool, x, w, y);
+template <Layout layout>
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  return Run<layout>(pool, x, w, y);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Eagle3PanelMatmul, PanelMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// One binding for the three layouts: (thread pool, x, w) -> y, all float32.
+#define EAGLE3_MATMUL_HANDLER(symbol, layout)                                            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, MatmulImpl<layout>,                              \
+                                ffi::Ffi::Bind()                                         \
+                                    .Ctx<ffi::ThreadPool>()                              \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                        \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                        \
+                                    .Ret<ffi::Buffer<ffi::F32>>())
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Eagle3RowsMatmul, RowsMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Eagle3RowsMatmulInOut, RowsMatmulInOutImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+EAGLE3_MATMUL_HANDLER(Eagle3RowsMatmul, Layout::kOutIn);
+EAGLE3_MATMUL_HANDLER(Eagle3RowsMatmulInOut, Layout::kInOut);
+EAGLE3_MATMUL_HANDLER(Eagle3PanelMatmul, Layout::kPanels);
 
 // 1 when the [in, out] form beats the XLA dot on this CPU, so that it is the default there
 // (the Python side's "matmul_in_out" family): with AVX-512. On a 2-core AMD EPYC with AVX2
