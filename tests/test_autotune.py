@@ -143,6 +143,65 @@ def test_better_heads_and_cheaper_drafts_grow_the_tree():
     assert select_tree(costs, [0.9], depth=2).tree.depth == 2
 
 
+def _brute_force_best(costs, rates, scale, max_tokens=64):
+    """The (tree, tau) with the highest scaled tau / modelled seconds, from
+    ``expected_accept_length`` of every tree (not the selection's cumulative sums)."""
+    best = None
+    for k in autotune.TOP_KS:
+        for d in autotune.DEPTHS:
+            n_candidates = TreeConfig(tree_top_k=k, depth=d, total_tokens=2).num_candidates
+            for total in range(2, min(max_tokens, costs.max_tokens, n_candidates + 1) + 1):
+                tree = TreeConfig(tree_top_k=k, depth=d, total_tokens=total)
+                tau = 1 + scale * (expected_accept_length(tree, rates) - 1)
+                speed = tau / (costs.target_cost(total) + costs.draft_cost(d, k))
+                if best is None or speed > best[2] + 1e-12:
+                    best = (tree, tau, speed)
+    return best
+
+
+def test_a_live_scale_shrinks_the_modelled_gain_and_the_tree():
+    """``accept_scale`` s models a tree's tau as 1 + s (E[tau] - 1): the pick is the best tree
+    under that model, found by brute force over every tree, and a measured s < 1 (the live
+    calibration) picks a smaller tree where each verified token costs something."""
+    # This CPU's curve in stop 21 (ms: T = 8 at 1.18x a step, T = 16 at 1.6x).
+    costs = CostModel(target={1: .020, 2: .0206, 4: .0214, 8: .0235, 16: .032, 32: .06,
+                              64: .11}, draft={w: 0.0012 for w in CHEAP_DRAFT})
+    rates = [[0.74, 0.83, 0.86, 0.88], [0.71, 0.79, 0.83, 0.85], [0.68, 0.77, 0.81, 0.84]]
+    picks = {}
+    for scale in (1.0, 0.55):
+        choice = select_tree(costs, rates, accept_scale=scale)
+        tree, tau, speed = _brute_force_best(costs, rates, scale)
+        assert choice.tokens_per_s == pytest.approx(speed)
+        assert choice.expected_accept_length == pytest.approx(
+            1 + scale * (expected_accept_length(choice.tree, rates) - 1))
+        picks[scale] = choice
+    assert picks[0.55].tree.total_tokens < picks[1.0].tree.total_tokens
+    assert picks[0.55].predicted_speedup < picks[1.0].predicted_speedup
+    assert not select_tree(costs, rates, accept_scale=0.0).pays_off  # accepts nothing live
+    for bad in (-0.5, 2.0):
+        with pytest.raises(autotune.AutotuneError, match="accept_scale"):
+            select_tree(costs, rates, accept_scale=bad)
+
+
+def test_finalists_add_the_models_best_tree_of_half_the_size():
+    """Where the model's best few are one size, the best tree of at most half its tokens is timed
+    too (the brute-force best under that cap); no duplicate when it is already there."""
+    costs = CostModel(target={t: 0.010 + 0.0002 * t for t in SIZES}, draft=CHEAP_DRAFT)
+    rates = [0.8, 0.75, 0.7, 0.65, 0.6]
+    top = autotune.select_trees(costs, rates, 3)
+    final = autotune.finalists(costs, rates, 3)
+    assert final[:3] == top and len(final) == 4
+    half = top[0].tree.total_tokens // 2
+    small = final[3]
+    assert small.tree.total_tokens <= half
+    assert small.tokens_per_s == pytest.approx(_brute_force_best(costs, rates, 1.0, half)[2])
+    assert autotune.finalists(costs, rates, 1) == top[:1]
+    # A cap the best tree already meets adds nothing twice.
+    steep = CostModel(target={t: 0.010 + 0.010 * t for t in SIZES}, draft=CHEAP_DRAFT)
+    trees = [c.tree for c in autotune.finalists(steep, rates, 3)]
+    assert len(trees) == len(set(trees))
+
+
 def _tiny_target_and_head():
     cfg = TargetConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
                        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -257,12 +316,15 @@ def test_the_models_best_trees_are_ranked_by_measured_whole_rounds(tmp_path, mon
     one = autotune.autotune_tree(params, cfg, head, 100, accept_rates=rates)
     assert one.tree == modelled[0].tree and not one.measured and timed == []
     best = autotune.autotune_tree(params, cfg, head, 100, accept_rates=rates, ranked=3)
-    assert best.tree == third and best.measured and len(timed) == 3
+    finalists = autotune.finalists(autotune.measure_costs(params, cfg, head, 128), rates, 3)
+    assert timed == [c.tree for c in finalists] and len(timed) >= 3
+    assert best.tree == third and best.measured
     assert best.seconds_per_round == 0.010 and best.plain_tokens_per_s == pytest.approx(100.0)
     assert best.predicted_speedup == pytest.approx(modelled[2].expected_accept_length)
     assert "(measured)" in best.describe()
+    n_timed = len(timed)
     assert autotune.autotune_tree(params, cfg, head, 100, accept_rates=rates, ranked=3) == best
-    assert len(timed) == 3  # read back from the cache
+    assert len(timed) == n_timed  # read back from the cache
     # Where the model predicts no gain, nothing is timed.
     weak = autotune.autotune_tree(params, cfg, head, 100, accept_rates=[0.01], ranked=3)
-    assert not weak.pays_off and not weak.measured and len(timed) == 3
+    assert not weak.pays_off and not weak.measured and len(timed) == n_timed

@@ -24,6 +24,32 @@ def test_bench_forward_writes_curve_and_floor(smollm2_gguf_path, tmp_path):
     assert result["param_bytes"] > 500e6 and png.stat().st_size > 0
 
 
+def test_bench_calibrate_writes_the_scale_into_the_heads_acceptance(smollm2_gguf_path,
+                                                                   tmp_path):
+    """`bench calibrate --write` on a copy of the shipped head: one record per calibration
+    tree, the pooled scale, and the copy's acceptance.json gains it (what ``load_head`` reads)."""
+    import shutil
+
+    from eagle3_jax.decoding.calibration import CALIBRATION_TREES, accept_scale
+    from eagle3_jax.draft.load import load_head
+    from eagle3_jax.draft.shipped import shipped_head_for
+
+    head = tmp_path / "head"
+    shutil.copytree(shipped_head_for(None), head)
+    before = json.loads((head / "acceptance.json").read_text())
+    before.pop("live", None)
+    (head / "acceptance.json").write_text(json.dumps(before))
+    out = tmp_path / "calibrate.json"
+    assert main(["calibrate", "--draft", str(head), "--num-prompts", "1", "--max-new-tokens",
+                 "6", "--write", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["trees"]) == len(CALIBRATION_TREES)
+    assert result["scale"] == pytest.approx(accept_scale(result["trees"]))
+    after = json.loads((head / "acceptance.json").read_text())
+    assert after["live"] == result and after["hits_per_step"] == before["hits_per_step"]
+    assert load_head(head).accept_scale == pytest.approx(result["scale"])
+
+
 def test_compute_floor_counts_the_flops_xla_counts():
     """The forward's FLOP count behind the compute floor, against XLA's cost analysis of the
     compiled forward (XLA dots: a custom call has no count) of a small random Llama."""

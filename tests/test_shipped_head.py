@@ -96,6 +96,32 @@ def test_the_shipped_head_is_16_bit_small_and_measured():
     assert "make head" in card and "Held-out accuracy by depth" in card
 
 
+def test_the_shipped_head_carries_its_live_calibration():
+    """``acceptance.json``'s ``"live"`` (``bench calibrate --write``): per tree the modelled tau
+    the chooser computes from the file's own rates, a live tau below it, and their pooled
+    scale, which ``load_head`` hands to the chooser."""
+    from eagle3_jax.decoding.acceptance import expected_accept_length
+    from eagle3_jax.decoding.calibration import accept_scale
+    from eagle3_jax.decoding.tree import TreeConfig
+    from eagle3_jax.draft.load import load_head, rates_of
+
+    folder = shipped.shipped_head_for(None)
+    if folder is None:
+        pytest.skip("this install ships no head for the default target")
+    record = json.loads((folder / "acceptance.json").read_text())
+    live = record["live"]
+    assert len(live["trees"]) >= 3 and live["prompts"]["count"] >= 16
+    for tree in live["trees"]:
+        shape = TreeConfig(tree_top_k=tree["tree_top_k"], depth=tree["depth"],
+                           total_tokens=tree["total_tokens"])
+        assert tree["modelled_tau"] == pytest.approx(
+            expected_accept_length(shape, rates_of(record)))
+        assert 1.0 < tree["live_tau"] < tree["modelled_tau"] and tree["rounds"] > 100
+    assert 0 < live["scale"] < 1 and live["scale"] == pytest.approx(accept_scale(live["trees"]))
+    loaded = load_head(folder, load_preset("smollm2-135m").target)
+    assert loaded.accept_scale == pytest.approx(live["scale"])
+
+
 def test_export_writes_acceptance_and_a_card_from_the_run(tmp_path):
     from eagle3_jax.draft.load import load_head
     from eagle3_jax.export import main

@@ -1,9 +1,9 @@
-"""``python -m eagle3_jax.bench <forward|train|speed|startup> [options]``."""
+"""``python -m eagle3_jax.bench <forward|train|speed|startup|calibrate> [options]``."""
 
 import importlib
 import sys
 
-COMMANDS = ("forward", "train", "speed", "startup")
+COMMANDS = ("forward", "train", "speed", "startup", "calibrate")
 
 
 def main(argv=None) -> int:

@@ -117,11 +117,15 @@ def autotune(target, loaded_head, prompt_length: int, tree_top_k: int | None, de
     from eagle3_jax.decoding.autotune import RANKED_TREES, autotune_tree
 
     rates = accept_rates or loaded_head.accept_rates
+    # The live calibration belongs to the head's own rates, not to rates the user gives.
+    scale = None if accept_rates else loaded_head.accept_scale
     choice = autotune_tree(target.params, target.cfg, loaded_head.head, prompt_length,
-                           batch=batch, accept_rates=rates, tree_top_k=tree_top_k, depth=depth,
-                           ranked=RANKED_TREES, log=log)
+                           batch=batch, accept_rates=rates, accept_scale=1.0 if scale is None else scale,
+                           tree_top_k=tree_top_k, depth=depth, ranked=RANKED_TREES, log=log)
     source = ("--accept-rates" if accept_rates else "the head's" if rates
               else "default profile 0.6*0.9^d")
+    if scale is not None:
+        source += f", extra tokens x{scale:.2f} as measured live on held-out prompts"
     log(f"[autotune ({source} acceptance rates): {choice.describe()}]")
     return choice
 

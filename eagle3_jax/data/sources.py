@@ -31,6 +31,8 @@ import zipfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
+import numpy as np
+
 from eagle3_jax.errors import Eagle3Error
 
 
@@ -298,6 +300,29 @@ def normalize_conversation(record: Any, fallback_id: str,
 
 def first_user_turn(conv: Mapping) -> str:
     return next(m["content"] for m in conv["conversations"] if m["role"] == "user")
+
+
+def held_out_prompts(n: int, min_chars: int = 500, max_chars: int = 2000,
+                     exclude: set[str] = frozenset(), source: str = "sharegpt") -> list[str]:
+    """``n`` distinct first user turns of ``min_chars``..``max_chars`` characters, spread evenly
+    over ``source`` in file order, none in ``exclude`` (stripped texts).
+
+    For measuring a head on chat prompts it was not trained on: the shipped SmolLM2 head trained
+    on the ShareGPT openings of at most 457 characters, so the default range holds none of them.
+    """
+    found: dict[str, None] = {}
+    for i, record in enumerate(iter_raw_records(source)):
+        conv = normalize_conversation(record, str(i))
+        if isinstance(conv, str):
+            continue
+        text = first_user_turn(conv).strip()
+        if min_chars <= len(text) <= max_chars and text not in exclude:
+            found.setdefault(text)
+    texts = list(found)
+    if len(texts) < n:
+        raise DataError(f"{source} has only {len(texts)} first user turns of {min_chars}.."
+                        f"{max_chars} characters, fewer than the {n} asked for; ask for fewer")
+    return [texts[int(j)] for j in np.linspace(0, len(texts) - 1, n).round()]
 
 
 def load_benchmark_prompts(bench_dir: str | Path) -> set[str]:

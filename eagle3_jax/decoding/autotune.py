@@ -150,25 +150,31 @@ class TreeChoice:
 
 def select_trees(costs: CostModel, rates: Sequence[Rate] | None = None, n: int = 1, *,
                  tree_top_k: int | None = None, depth: int | None = None,
-                 tree_top_ks: Sequence[int] = TOP_KS,
-                 depths: Sequence[int] = DEPTHS) -> list[TreeChoice]:
+                 tree_top_ks: Sequence[int] = TOP_KS, depths: Sequence[int] = DEPTHS,
+                 accept_scale: float = 1.0, max_tokens: int | None = None) -> list[TreeChoice]:
     """The ``n`` tree shapes (tree_top_k, depth) with the highest modelled tokens/s, each at its
     best total_tokens, best first (ties: the smaller tree).
 
     ``tree_top_k`` / ``depth`` fix that dimension (a user's ``--tree-top-k`` / ``--depth``);
-    total_tokens ranges over 2 .. the largest measured T.
+    total_tokens ranges over 2 .. ``max_tokens`` (default: the largest measured T).
+    ``accept_scale``: the modelled tau is ``1 + accept_scale * (E[tau] - 1)``, the head's live
+    calibration (:mod:`eagle3_jax.decoding.calibration`); 1 takes the rates as they are.
     """
+    if not 0.0 <= accept_scale <= 1.5:
+        raise AutotuneError(f"accept_scale must lie in [0, 1.5], got {accept_scale}; it is a "
+                            "head's live tau - 1 over its modelled tau - 1")
     tree_top_ks = (tree_top_k,) if tree_top_k is not None else tuple(tree_top_ks)
     depths = (depth,) if depth is not None else tuple(depths)
+    max_tokens = costs.max_tokens if max_tokens is None else min(max_tokens, costs.max_tokens)
     plain = 1.0 / costs.target_cost(1)
     shapes: list[TreeChoice] = []
     for k in tree_top_ks:
         for d in depths:
-            scores = candidate_scores(k, d, rates_for_depth(rates, d))
+            scores = accept_scale * candidate_scores(k, d, rates_for_depth(rates, d))
             tau = 1.0 + np.concatenate([[0.0], np.cumsum(scores)])  # tau[n] for n drafts
             draft = costs.draft_cost(d, k)
             best: TreeChoice | None = None
-            for total in range(2, min(len(scores) + 1, costs.max_tokens) + 1):
+            for total in range(2, min(len(scores) + 1, max_tokens) + 1):
                 seconds = costs.target_cost(total) + draft
                 speed = tau[total - 1] / seconds
                 if best is None or speed > best.tokens_per_s:
@@ -178,7 +184,7 @@ def select_trees(costs: CostModel, rates: Sequence[Rate] | None = None, n: int =
                 shapes.append(best)
     if not shapes:
         raise AutotuneError(f"no tree fits tree_top_k={tree_top_ks}, depth={depths} and the "
-                            f"measured sizes up to {costs.max_tokens} tokens")
+                            f"sizes up to {max_tokens} tokens")
     return sorted(shapes, key=lambda c: -c.tokens_per_s)[:max(int(n), 1)]  # stable: ties keep order
 
 
@@ -288,19 +294,37 @@ def autotune_context(prompt_length: int) -> int:
     return bucket(max(int(prompt_length), 1), 128)
 
 
+def finalists(costs: CostModel, rates: Sequence[Rate] | None, ranked: int,
+              **kwargs) -> list[TreeChoice]:
+    """The trees worth timing as whole rounds: the model's ``ranked`` best shapes, then (when
+    ``ranked`` > 1) the model's best tree of at most half the best one's tokens, where it is not
+    among them already. The model's best few are often one size (8 nodes, within 2% of each
+    other, in stop 21), and a small tree's fixed costs are where the model errs most.
+    ``kwargs``: :func:`select_trees`'."""
+    choices = select_trees(costs, rates, ranked, **kwargs)
+    half = choices[0].tree.total_tokens // 2
+    if ranked > 1 and half >= 2:
+        small = select_trees(costs, rates, 1, max_tokens=half, **kwargs)[0]
+        if small.tree not in [c.tree for c in choices]:
+            choices.append(small)
+    return choices
+
+
 def autotune_tree(target_params, cfg, head, prompt_length: int, *, batch: int = 1,
-                  accept_rates: Sequence[Rate] | None = None, tree_top_k: int | None = None,
-                  depth: int | None = None, ranked: int = 1,
+                  accept_rates: Sequence[Rate] | None = None, accept_scale: float = 1.0,
+                  tree_top_k: int | None = None, depth: int | None = None, ranked: int = 1,
                   directory: str | Path | None = None,
                   log: Callable[[str], None] = lambda s: None) -> TreeChoice:
     """Measure (once per machine, model, context bucket and batch) and pick the tree for a
-    padded batch of ``batch`` rows. ``ranked`` > 1 (the decoder's ``RANKED_TREES``): where the
-    model's best pays off, its ``ranked`` best shapes are timed as whole rounds and the best
-    measured speed-up (modelled tau x plain step / round) is kept."""
+    padded batch of ``batch`` rows. ``accept_scale``: :func:`select_trees`'. ``ranked`` > 1
+    (the decoder's ``RANKED_TREES``): where the model's best pays off, its :func:`finalists`
+    are timed as whole rounds and the best measured speed-up (modelled tau x plain step /
+    round) is kept."""
     context = autotune_context(prompt_length)
     costs = measure_costs(target_params, cfg, head, context, batch=batch, directory=directory,
                           log=log)
-    choices = select_trees(costs, accept_rates, ranked, tree_top_k=tree_top_k, depth=depth)
+    choices = finalists(costs, accept_rates, ranked, tree_top_k=tree_top_k, depth=depth,
+                        accept_scale=accept_scale)
     if len(choices) == 1 or not choices[0].pays_off:
         return choices[0]
     measured = []
@@ -311,7 +335,7 @@ def autotune_tree(target_params, cfg, head, prompt_length: int, *, batch: int = 
             choice, seconds_per_round=cost["round"], plain_tokens_per_s=1.0 / cost["step"],
             tokens_per_s=choice.expected_accept_length / cost["round"], measured=True))
     best = max(measured, key=lambda c: c.predicted_speedup)  # ties: the model's order
-    log("[autotune: whole rounds of the model's best trees, speed-up at the modelled tau: "
+    log("[autotune: whole rounds of the finalist trees, speed-up at the modelled tau: "
         + ", ".join(f"{c.tree.tree_top_k}/{c.tree.depth}/{c.tree.total_tokens} "
                     f"{c.predicted_speedup:.2f}x" for c in measured) + "]")
     return best

@@ -55,6 +55,8 @@ class LoadedHead:
 
     accept_rates: measured per-depth rates (a training run's eval): per depth the top-r hit
       rates [h(1), ..., h(R)], or the top-1 rate alone for older runs; None if unknown.
+    accept_scale: live tau - 1 over modelled tau - 1 on held-out prompts (``acceptance.json``'s
+      ``"live"``, written by ``python -m eagle3_jax.bench calibrate --write``); None if unknown.
     step, run_dir: the training step and run folder it was read from (None for a
       released-format folder).
     """
@@ -62,6 +64,7 @@ class LoadedHead:
     head: DraftHead
     description: str
     accept_rates: list[float] | list[list[float]] | None = None
+    accept_scale: float | None = None
     step: int | None = None
     run_dir: Path | None = None
 
@@ -93,9 +96,10 @@ def load_head(path: str | Path, target_cfg: TargetConfig | None = None, *,
 
         # Stored in 16-bit or not, a head computes in its target's dtype.
         dtype = target_cfg.dtype if target_cfg is not None else None
+        rates, scale = _released_rates(folder / ACCEPTANCE_FILE)
         return LoadedHead(load_draft_head(folder, target_cfg, dtype=dtype),
-                          f"released-format head {folder}",
-                          accept_rates=_released_rates(folder / ACCEPTANCE_FILE))
+                          f"released-format head {folder}", accept_rates=rates,
+                          accept_scale=scale)
     run_dir, named_step = _run_folder(folder, path)
     head, step = read_run_head(run_dir, step if step is not None else named_step)
     if target_cfg is not None:
@@ -217,10 +221,17 @@ def _measured_rates(metrics_path: Path, step: int) -> list[float] | list[list[fl
     return None if record is None else rates_of(record)
 
 
-def _released_rates(path: Path) -> list[float] | list[list[float]] | None:
-    """The rates of a released folder's ``acceptance.json``, or None (absent or unreadable:
-    the chooser then falls back to its default profile, which it says)."""
+def _released_rates(path: Path) -> tuple[list[float] | list[list[float]] | None, float | None]:
+    """(rates, live scale) of a released folder's ``acceptance.json``; None for what is absent
+    or unreadable (the chooser then falls back to its default profile or takes the rates as
+    they are, and says which)."""
     try:
-        return rates_of(json.loads(path.read_text()))
+        record = json.loads(path.read_text())
+        rates = rates_of(record)
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return None, None
+    try:
+        scale = float(record["live"]["scale"])
+    except (KeyError, TypeError, ValueError):
+        scale = None
+    return rates, scale
