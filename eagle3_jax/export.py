@@ -69,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         record = latest_eval(run_dir / METRICS_FILE, loaded.step)
         acceptance = out / ACCEPTANCE_FILE
         if record is not None:
-            acceptance.write_text(json.dumps({"source": str(run_dir), **record}, indent=1) + "\n")
+            record = {"source": str(run_dir), **record}
+            live = _read_live(acceptance)
+            if live is not None and live.get("weights_sha256") == weights_digest(out):
+                record["live"] = live  # `bench calibrate` of these very weights
+            acceptance.write_text(json.dumps(record, indent=1) + "\n")
         elif acceptance.exists():
             acceptance.unlink()  # stale: from another head
         if args.card:
@@ -83,6 +87,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote the step-{loaded.step} draft head of {args.checkpoint} to {out}")
 
     return run_cli(body, debug=args.debug)
+
+
+def _read_live(acceptance) -> dict | None:
+    """The ``"live"`` calibration of an existing ``acceptance.json``, or None."""
+    try:
+        return json.loads(acceptance.read_text()).get("live")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def weights_digest(folder) -> str:
+    """sha256 of a released head's ``model.safetensors``: what a live calibration belongs to."""
+    import hashlib
+    from pathlib import Path
+
+    return hashlib.sha256((Path(folder) / "model.safetensors").read_bytes()).hexdigest()
 
 
 # HF architecture names of our target families (a speculators config names its verifier's).

@@ -15,6 +15,9 @@
 #                  auto at temperature 1 ($BENCH_PROMPTS prompts per task)
 #   6. export      the head in the released layout, bfloat16, with acceptance.json and the model
 #                  card, into eagle3_jax/heads/smollm2-135m/
+#   (5a. calibrate `bench calibrate --write` right after the first export: the head's live
+#                  acceptance on held-out ShareGPT prompts, which the auto tree of step 5 reads
+#                  and the final export keeps for the same weights)
 #
 # Environment: PY (default .venv/bin/python), WORK (default data/default-head), CONVERSATIONS
 # (conversations answered, default 3964; those whose prompt exceeds 192 tokens are skipped), STEPS (default: the config's total_steps),
@@ -51,6 +54,7 @@ mkdir -p data/smollm2
 
 # 5-6. measure, then export with the card
 "$PY" -m eagle3_jax.export --checkpoint "$RUN" --out "$HEAD" --dtype bfloat16
+"$PY" -m eagle3_jax.bench calibrate --draft "$HEAD" --write --out docs/bench_calibrate_smollm2.json
 results=()
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   common=(--num-prompts "$BENCH_PROMPTS" --max-new-tokens "$BENCH_TOKENS" --draft "$HEAD")

@@ -149,6 +149,18 @@ def test_export_writes_acceptance_and_a_card_from_the_run(tmp_path):
     card = (out / "README.md").read_text()
     assert card.startswith("# A test head") and "ten random rows" in card
     assert "| depth | top-1 | top-2 | top-4 | top-10 |" in card and "make head" in card
+    # A live calibration (`bench calibrate --write`) survives re-exporting the same weights,
+    # and is dropped for other weights.
+    from eagle3_jax.export import weights_digest
+    live = {"scale": 0.5, "trees": [], "weights_sha256": weights_digest(out)}
+    (out / "acceptance.json").write_text(json.dumps({**acceptance, "live": live}))
+    export = ["--checkpoint", str(run_dir), "--out", str(out)]
+    assert main([*export, "--dtype", "bfloat16"]) == 0
+    assert json.loads((out / "acceptance.json").read_text())["live"] == live
+    assert load_head(out, tcfg).accept_scale == 0.5
+    assert main([*export, "--dtype", "float32"]) == 0
+    assert "live" not in json.loads((out / "acceptance.json").read_text())
+    assert load_head(out, tcfg).accept_scale is None
 
 
 def test_a_new_run_starts_from_a_committed_head(tmp_path):

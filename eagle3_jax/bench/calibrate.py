@@ -5,7 +5,8 @@ evaluation sets; :func:`eagle3_jax.data.sources.held_out_prompts`) greedily with
 shapes, all prompts in one batch per tree, and compares each tree's measured tau with the one
 the tree chooser models from the head's rates (:mod:`eagle3_jax.decoding.calibration`).
 ``--write`` stores the result as ``"live"`` in a released head's ``acceptance.json``, where the
-chooser (``--total-tokens auto``) reads its scale.
+chooser (``--total-tokens auto``) reads its scale; ``python -m eagle3_jax.export`` keeps it when
+it rewrites the file for the same weights (``weights_sha256``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None = None) -> dict:
     from eagle3_jax.decoding.decoders import EagleDecoder
     from eagle3_jax.decoding.sampling import sampling_from_flags
     from eagle3_jax.draft.load import ACCEPTANCE_FILE, check_head_path, load_head
+    from eagle3_jax.export import weights_digest
 
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise UsageError("--num-prompts and --max-new-tokens must be >= 1")
@@ -89,7 +91,8 @@ def run(args: argparse.Namespace, load_fn: Callable | None = None) -> dict:
     result = measure_accept_scale(decode, loaded.accept_rates, log=log)
     result.update(prompts={"source": "sharegpt first user turns", "min_chars": 500,
                            "max_chars": 2000, "count": len(prompts)},
-                  max_new_tokens=args.max_new_tokens, head=loaded.description)
+                  max_new_tokens=args.max_new_tokens, head=loaded.description,
+                  weights_sha256=weights_digest(folder) if acceptance.is_file() else None)
     log(f"[calibrate: scale {result['scale']:.3f} (live tau - 1 over modelled tau - 1)]")
     write_json(Path(args.out), result)
     if args.write:

@@ -12,7 +12,9 @@ The model (batch 1, greedy)::
   levels of k frontier tokens, then the draft catches up on the accepted path (depth + 1
   tokens). ``t_step(w)`` is one measured draft step over w tokens.
 * ``E[tau]``: :func:`eagle3_jax.decoding.acceptance.expected_accept_length` from per-depth
-  rates.
+  rates, its extra tokens times the head's live calibration ``accept_scale`` where the head
+  has one (:mod:`eagle3_jax.decoding.calibration`: held-out rates overrate live decoding by
+  about the same factor for every tree, 0.56-0.58 for SmolLM2's shipped head).
 * the rates: a head's measured per-depth top-r hit rates (training eval ``hits_per_step``, kept
   in a shipped head's ``acceptance.json``; TTT step i is exactly "depth i given correct
   ancestors"), so a rank-r sibling is credited with what was measured for rank r; else its
@@ -28,9 +30,10 @@ of the platform, device kind, target config, JAX version and the source of the c
 under a hash of the draft config inside the same file. A flat cost curve (accelerators, memory
 bound) picks a big tree, a steep one (CPUs, compute bound) a small one.
 
-The decoder then times the model's ``RANKED_TREES`` best shapes as whole rounds against plain
-steps (:func:`measure_round_cost`: what the model leaves out, the round's own work, included)
-and keeps the best measured speed-up at the modelled tau (:func:`autotune_tree`).
+The decoder then times the model's ``RANKED_TREES`` best shapes, and its best tree of half the
+size (:func:`finalists`), as whole rounds against plain steps (:func:`measure_round_cost`: what
+the model leaves out, the round's own work, included) and keeps the best measured speed-up at
+the modelled tau (:func:`autotune_tree`).
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ class CostModel:
 # 1.16 -> 0.80x, 1.30 -> 0.97x (900-step head, 1-token chain), and for the 2954-step head
 # 1.88 -> 1.10x on MT-bench, 0.98x over the five sets, 0.79x on long-prompt summarisation
 # (tree 4/4/8: the round's cost was modelled within 10%, its tau 3.07 against 2.0 measured).
+# A head's live calibration (``accept_scale``, stop 22) takes most of that optimism out; the
+# rest varies by prompt (MT-bench's tau is not summarisation's).
 # So the prediction only decides whether drafting is worth a try: the decoder then measures
 # the acceptance on the user's own prompt and gives up where it does not pay
 # (:func:`fallback_for`, :class:`eagle3_jax.decoding.eagle.Fallback`), which bounds a wrong
@@ -107,7 +112,9 @@ MIN_PREDICTED_SPEEDUP = 1.1
 # (:func:`measure_round_cost`, cached like the costs) and the best measured speed-up is kept:
 # the model leaves the round's own work out, and shapes it rates within a few percent of each
 # other swapped places between re-measurements of the cost curve (4/4/8, 1/4/5, 2/3/8, 1/4/5
-# in stops 17-19 on this CPU). 1 turns it off.
+# in stops 17-19 on this CPU); :func:`finalists` adds the best tree of half the size, which
+# the model's 8-node finalists crowded out in stop 21 (it measured 0.12x faster). 1 turns it
+# off.
 RANKED_TREES = 3
 
 
