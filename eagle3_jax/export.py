@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             build = json.loads(Path(args.build_info).read_text()) if args.build_info else None
             card = model_card(run_dir, loaded.step, loaded.head.cfg, title=args.card,
                               weights_dtype=args.dtype or loaded.head.cfg.dtype, build=build,
-                              results=results)
+                              results=results, live=(record or {}).get("live"))
             (out / "README.md").write_text(card)
         print(f"wrote the step-{loaded.step} draft head of {args.checkpoint} to {out}")
 

@@ -152,12 +152,17 @@ def test_export_writes_acceptance_and_a_card_from_the_run(tmp_path):
     # A live calibration (`bench calibrate --write`) survives re-exporting the same weights,
     # and is dropped for other weights.
     from eagle3_jax.export import weights_digest
-    live = {"scale": 0.5, "trees": [], "weights_sha256": weights_digest(out)}
+    live = {"scale": 0.5, "weights_sha256": weights_digest(out), "max_new_tokens": 9,
+            "trees": [{"tree_top_k": 2, "depth": 3, "total_tokens": 4, "modelled_tau": 2.5,
+                       "live_tau": 1.75, "rounds": 77}],
+            "prompts": {"source": "some prompts", "min_chars": 1, "max_chars": 2, "count": 3}}
     (out / "acceptance.json").write_text(json.dumps({**acceptance, "live": live}))
     export = ["--checkpoint", str(run_dir), "--out", str(out)]
-    assert main([*export, "--dtype", "bfloat16"]) == 0
+    assert main([*export, "--dtype", "bfloat16", "--card", "Again"]) == 0
     assert json.loads((out / "acceptance.json").read_text())["live"] == live
     assert load_head(out, tcfg).accept_scale == 0.5
+    card = (out / "README.md").read_text()
+    assert "**0.500**" in card and "| 2/3/4 | 2.500 | 1.750 | 77 |" in card
     assert main([*export, "--dtype", "float32"]) == 0
     assert "live" not in json.loads((out / "acceptance.json").read_text())
     assert load_head(out, tcfg).accept_scale is None

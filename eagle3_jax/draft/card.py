@@ -46,8 +46,9 @@ def _results_section(report: dict, name: str) -> str:
 
 def model_card(run_dir: str | Path, step: int, cfg: DraftConfig, *, title: str,
                weights_dtype: str, build: dict | None = None,
-               results: Sequence[tuple[str, dict]] = ()) -> str:
-    """The card's markdown for the step-``step`` head of the run at ``run_dir``."""
+               results: Sequence[tuple[str, dict]] = (), live: dict | None = None) -> str:
+    """The card's markdown for the step-``step`` head of the run at ``run_dir``; ``live``: the
+    head's ``bench calibrate`` record (``acceptance.json``'s ``"live"``), if it has one."""
     run_dir = Path(run_dir)
     metrics = read_metrics(run_dir / METRICS_FILE)
     train = [r for r in metrics if r.get("kind") == "train" and r.get("step", 0) <= step]
@@ -82,6 +83,18 @@ def model_card(run_dir: str | Path, step: int, cfg: DraftConfig, *, title: str,
                 "top r at each depth, its ancestors correct (training-time test, teacher "
                 f"forced). Simulated chain acceptance length: {ev['accept_length']:.2f}.", "",
                 _table(["depth", *[f"top-{r}" for r in ranks]], rows), ""]
+    if live:
+        prompts = live.get("prompts", {})
+        rows = [(f"{t['tree_top_k']}/{t['depth']}/{t['total_tokens']}", t["modelled_tau"],
+                 t["live_tau"], t["rounds"]) for t in live["trees"]]
+        out += ["## Live acceptance on held-out prompts (`python -m eagle3_jax.bench calibrate`)",
+                "", f"Greedy decoding of {prompts.get('count')} {prompts.get('source')} of "
+                f"{prompts.get('min_chars')}-{prompts.get('max_chars')} characters (none of the "
+                f"evaluation sets), {live.get('max_new_tokens')} new tokens each, against the tau "
+                f"the tree chooser models from the rates above. The chooser multiplies a tree's "
+                f"modelled extra tokens by the pooled scale, **{live['scale']:.3f}**.", "",
+                _table(["tree (top_k/depth/total)", "modelled tau", "live tau", "rounds"],
+                       rows), ""]
     if results:
         out += ["## Results (`python -m eagle3_jax.bench speed`)", ""]
         for name, report in results:
