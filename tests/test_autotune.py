@@ -328,3 +328,31 @@ def test_the_models_best_trees_are_ranked_by_measured_whole_rounds(tmp_path, mon
     # Where the model predicts no gain, nothing is timed.
     weak = autotune.autotune_tree(params, cfg, head, 100, accept_rates=[0.01], ranked=3)
     assert not weak.pays_off and not weak.measured and len(timed) == n_timed
+
+
+def test_the_decoder_applies_the_heads_live_scale_to_its_own_rates_only(monkeypatch, capsys):
+    """``cli.decode.autotune`` hands the head's live calibration to the chooser with the head's
+    rates, not with rates the user gives (``--accept-rates``), and says so."""
+    import types
+
+    from eagle3_jax.cli import decode as cli
+    from eagle3_jax.draft.load import LoadedHead
+
+    seen = []
+
+    def fake_autotune_tree(params, cfg, head, prompt_length, **kw):
+        seen.append((kw["accept_rates"], kw["accept_scale"]))
+        return autotune.TreeChoice(TreeConfig(tree_top_k=2, depth=3, total_tokens=4), 1.9,
+                                   0.03, 63.0, 40.0)
+
+    monkeypatch.setattr(autotune, "autotune_tree", fake_autotune_tree)
+    target = types.SimpleNamespace(params={}, cfg=None)
+    loaded = LoadedHead(head=None, description="a head", accept_rates=[0.7, 0.6],
+                        accept_scale=0.5)
+    cli.autotune(target, loaded, 100, None, None, None)
+    assert seen[-1] == ([0.7, 0.6], 0.5) and "x0.50" in capsys.readouterr().err
+    cli.autotune(target, loaded, 100, None, None, [0.9])
+    assert seen[-1] == ([0.9], 1.0) and "x0." not in capsys.readouterr().err
+    uncalibrated = LoadedHead(head=None, description="a head", accept_rates=[0.7])
+    cli.autotune(target, uncalibrated, 100, None, None, None)
+    assert seen[-1] == ([0.7], 1.0)

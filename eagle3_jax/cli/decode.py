@@ -124,9 +124,9 @@ def autotune(target, loaded_head, prompt_length: int, tree_top_k: int | None, de
                            tree_top_k=tree_top_k, depth=depth, ranked=RANKED_TREES, log=log)
     source = ("--accept-rates" if accept_rates else "the head's" if rates
               else "default profile 0.6*0.9^d")
-    if scale is not None:
-        source += f", extra tokens x{scale:.2f} as measured live on held-out prompts"
-    log(f"[autotune ({source} acceptance rates): {choice.describe()}]")
+    calibrated = ("" if scale is None else
+                  f", extra tokens x{scale:.2f} as the head measured live on held-out prompts")
+    log(f"[autotune ({source} acceptance rates{calibrated}): {choice.describe()}]")
     return choice
 
 
