@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Callable, Sequence
 
-from eagle3_jax.errors import UsageError, run_cli
+from eagle3_jax.errors import UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,20 +35,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, *, load_fn: Callable | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from eagle3_jax.bench.common import run_bench_cli
 
-    def body() -> None:
-        run(args, load_fn)
-    return run_cli(body)
+    return run_bench_cli(build_parser(), run, argv, load_fn)
 
 
 def run(args: argparse.Namespace, load_fn: Callable | None = None) -> dict:
     import numpy as np
 
-    from eagle3_jax.bench.common import write_json
+    from eagle3_jax.bench.common import draft_or_shipped, write_json
     from eagle3_jax.bench.speed import PROMPTS_DIR
     from eagle3_jax.cli.output import log
-    from eagle3_jax.data.sources import held_out_prompts, load_benchmark_prompts
+    from eagle3_jax.data.sources import (HELD_OUT_CHARS, held_out_prompts,
+                                         load_benchmark_prompts)
     from eagle3_jax.decoding.calibration import measure_accept_scale
     from eagle3_jax.decoding.decoders import EagleDecoder
     from eagle3_jax.decoding.sampling import sampling_from_flags
@@ -57,14 +56,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None = None) -> dict:
 
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise UsageError("--num-prompts and --max-new-tokens must be >= 1")
-    if args.draft is None:
-        from eagle3_jax.draft.shipped import shipped_head_for
-
-        shipped = shipped_head_for(args.target)
-        if shipped is None:
-            raise UsageError("this target ships no draft head: pass --draft PATH")
-        args.draft = str(shipped)
-    folder = check_head_path(args.draft)
+    folder = check_head_path(draft_or_shipped(args.draft, args.target))
     acceptance = folder / ACCEPTANCE_FILE
     if args.write and not acceptance.is_file():
         raise UsageError(f"--write needs a released head with an {ACCEPTANCE_FILE}; {folder} has "
@@ -89,8 +81,8 @@ def run(args: argparse.Namespace, load_fn: Callable | None = None) -> dict:
         return np.sum([g.accept_hist for g in decoder.generate_batch(prompts)], axis=0)
 
     result = measure_accept_scale(decode, loaded.accept_rates, log=log)
-    result.update(prompts={"source": "sharegpt first user turns", "min_chars": 500,
-                           "max_chars": 2000, "count": len(prompts)},
+    result.update(prompts={"source": "sharegpt first user turns", "min_chars": HELD_OUT_CHARS[0],
+                           "max_chars": HELD_OUT_CHARS[1], "count": len(prompts)},
                   max_new_tokens=args.max_new_tokens, head=loaded.description,
                   weights_sha256=weights_digest(folder) if acceptance.is_file() else None)
     log(f"[calibrate: scale {result['scale']:.3f} (live tau - 1 over modelled tau - 1)]")

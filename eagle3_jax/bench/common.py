@@ -49,3 +49,28 @@ def measure_matmul_peak(repeats: int = 5) -> tuple[float, str]:
     rates = {key: 2 * m * k * n / seconds[key] for (m, k, n), key in zip(shapes, fns)}
     best = max(rates, key=rates.get)
     return rates[best], best
+
+
+def run_bench_cli(parser, run, argv, load_fn) -> int:
+    """Parse ``argv`` with ``parser`` and call ``run(args, load_fn)`` under
+    :func:`eagle3_jax.errors.run_cli` (one-line errors); the exit status."""
+    from eagle3_jax.errors import run_cli
+
+    args = parser.parse_args(argv)
+
+    def body() -> None:
+        run(args, load_fn)
+    return run_cli(body)
+
+
+def draft_or_shipped(draft: str | None, target: str | None) -> str:
+    """``draft``, else the path of the head shipped for ``target`` (a one-line error if none)."""
+    if draft is not None:
+        return draft
+    from eagle3_jax.draft.shipped import shipped_head_for
+    from eagle3_jax.errors import UsageError
+
+    shipped = shipped_head_for(target)
+    if shipped is None:
+        raise UsageError("this target ships no draft head: pass --draft PATH")
+    return str(shipped)

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from eagle3_jax.errors import UsageError, run_cli
+from eagle3_jax.errors import UsageError
 
 TASKS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum")
 PROMPTS_DIR = Path(__file__).parent / "prompts"
@@ -212,15 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, *, load_fn: Callable | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from eagle3_jax.bench.common import run_bench_cli
 
-    def body() -> None:
-        run(args, load_fn)
-    return run_cli(body)
+    return run_bench_cli(build_parser(), run, argv, load_fn)
 
 
 def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
-    from eagle3_jax.bench.common import machine_description, write_json
+    from eagle3_jax.bench.common import draft_or_shipped, machine_description, write_json
     from eagle3_jax.cli.decode import (autotune, parse_accept_rates, parse_total_tokens,
                                        resolve_tree)
     from eagle3_jax.cli.output import log
@@ -237,13 +235,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
     rates = parse_accept_rates(args.accept_rates)
     tree = (None if total_tokens == "auto"
             else resolve_tree(total_tokens, args.tree_top_k, args.depth))
-    if args.draft is None:
-        from eagle3_jax.draft.shipped import shipped_head_for
-
-        shipped = shipped_head_for(args.target)
-        if shipped is None:
-            raise UsageError("this target ships no draft head: pass --draft PATH")
-        args.draft = str(shipped)
+    args.draft = draft_or_shipped(args.draft, args.target)
     check_head_path(args.draft)
     sampling = sampling_from_flags(args.temperature, 1.0, 0)
     questions = {t: load_questions(t, args.num_prompts) for t in tasks}

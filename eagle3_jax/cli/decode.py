@@ -120,7 +120,8 @@ def autotune(target, loaded_head, prompt_length: int, tree_top_k: int | None, de
     # The live calibration belongs to the head's own rates, not to rates the user gives.
     scale = None if accept_rates else loaded_head.accept_scale
     choice = autotune_tree(target.params, target.cfg, loaded_head.head, prompt_length,
-                           batch=batch, accept_rates=rates, accept_scale=1.0 if scale is None else scale,
+                           batch=batch, accept_rates=rates,
+                           accept_scale=1.0 if scale is None else scale,
                            tree_top_k=tree_top_k, depth=depth, ranked=RANKED_TREES, log=log)
     source = ("--accept-rates" if accept_rates else "the head's" if rates
               else "default profile 0.6*0.9^d")

@@ -302,13 +302,18 @@ def first_user_turn(conv: Mapping) -> str:
     return next(m["content"] for m in conv["conversations"] if m["role"] == "user")
 
 
-def held_out_prompts(n: int, min_chars: int = 500, max_chars: int = 2000,
-                     exclude: set[str] = frozenset(), source: str = "sharegpt") -> list[str]:
+# The first user turns held_out_prompts takes by default: the shipped SmolLM2 head trained on
+# the ShareGPT openings of at most 457 characters, so none of these.
+HELD_OUT_CHARS = (500, 2000)
+
+
+def held_out_prompts(n: int, min_chars: int = HELD_OUT_CHARS[0],
+                     max_chars: int = HELD_OUT_CHARS[1], exclude: set[str] = frozenset(),
+                     source: str = "sharegpt") -> list[str]:
     """``n`` distinct first user turns of ``min_chars``..``max_chars`` characters, spread evenly
     over ``source`` in file order, none in ``exclude`` (stripped texts).
 
-    For measuring a head on chat prompts it was not trained on: the shipped SmolLM2 head trained
-    on the ShareGPT openings of at most 457 characters, so the default range holds none of them.
+    For measuring a head on chat prompts it was not trained on (``HELD_OUT_CHARS``).
     """
     found: dict[str, None] = {}
     for i, record in enumerate(iter_raw_records(source)):
