@@ -444,6 +444,22 @@ def test_fallback_checks_at_probe_round_then_powers_of_two():
         eagle_mod.Fallback(break_even=2.0, probe_rounds=0)
 
 
+def test_fallback_gives_a_noisy_probe_the_benefit_of_one_standard_error():
+    """1.2 tokens a round (8 rounds of 1, 2 of 2: standard deviation 0.4) against a break-even
+    of 1.29: over 10 rounds the standard error (0.126) covers the gap and drafting goes on; the
+    same rates over 80 rounds (0.045) do not, and it gives up; a variance-free rate just below
+    break-even gives up at once."""
+    fallback = eagle_mod.Fallback(break_even=1.29, probe_rounds=8)
+    step = jnp.int32(8)
+    assert eagle_mod.FALLBACK_STANDARD_ERRORS == 1.0
+    assert not bool(fallback.gives_up(step, jnp.asarray([10]), jnp.asarray([[0, 8, 2]])))
+    assert bool(fallback.gives_up(step, jnp.asarray([80]), jnp.asarray([[0, 64, 16]])))
+    assert bool(fallback.gives_up(step, jnp.asarray([10]), jnp.asarray([[0, 10, 0]])))
+    # Per row counts add up: two rows of 5 rounds are one run of 10.
+    assert not bool(fallback.gives_up(step, jnp.asarray([5, 5]),
+                                      jnp.asarray([[0, 4, 1], [0, 4, 1]])))
+
+
 def test_fallback_gives_up_a_weak_draft_and_stays_lossless(models):
     """A random head cannot reach an unreachable break-even: after the probe rounds every step
     is a plain decode step, and the output is still plain greedy decoding's, token for token."""
