@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         from pathlib import Path
 
-        from eagle3_jax.draft.export import export_draft_head
+        from eagle3_jax.draft.export import export_draft_head, weights_digest
         from eagle3_jax.draft.load import (ACCEPTANCE_FILE, METRICS_FILE, HeadError,
                                            check_head_path, latest_eval, load_head)
 
@@ -95,14 +95,6 @@ def _read_live(acceptance) -> dict | None:
         return json.loads(acceptance.read_text()).get("live")
     except (OSError, ValueError, AttributeError):
         return None
-
-
-def weights_digest(folder) -> str:
-    """sha256 of a released head's ``model.safetensors``: what a live calibration belongs to."""
-    import hashlib
-    from pathlib import Path
-
-    return hashlib.sha256((Path(folder) / "model.safetensors").read_bytes()).hexdigest()
 
 
 # HF architecture names of our target families (a speculators config names its verifier's).

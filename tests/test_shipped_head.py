@@ -118,6 +118,8 @@ def test_the_shipped_head_carries_its_live_calibration():
             expected_accept_length(shape, rates_of(record)))
         assert 1.0 < tree["live_tau"] < tree["modelled_tau"] and tree["rounds"] > 100
     assert 0 < live["scale"] < 1 and live["scale"] == pytest.approx(accept_scale(live["trees"]))
+    from eagle3_jax.draft.export import weights_digest
+    assert live["weights_sha256"] == weights_digest(folder)  # measured on these very weights
     loaded = load_head(folder, load_preset("smollm2-135m").target)
     assert loaded.accept_scale == pytest.approx(live["scale"])
 
@@ -151,7 +153,7 @@ def test_export_writes_acceptance_and_a_card_from_the_run(tmp_path):
     assert "| depth | top-1 | top-2 | top-4 | top-10 |" in card and "make head" in card
     # A live calibration (`bench calibrate --write`) survives re-exporting the same weights,
     # and is dropped for other weights.
-    from eagle3_jax.export import weights_digest
+    from eagle3_jax.draft.export import weights_digest
     live = {"scale": 0.5, "weights_sha256": weights_digest(out), "max_new_tokens": 9,
             "trees": [{"tree_top_k": 2, "depth": 3, "total_tokens": 4, "modelled_tau": 2.5,
                        "live_tau": 1.75, "rounds": 77}],

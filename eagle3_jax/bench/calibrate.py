@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", metavar="PATH", default=None,
                    help="EAGLE-3 head (default: the target's shipped head)")
     p.add_argument("--target", default=None, help="preset, HF folder or .gguf (default SmolLM2)")
-    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=128,
                    help="as the answers the scale will serve (bench speed's default: 128)")
     p.add_argument("--write", action="store_true",
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None = None) -> dict:
     from eagle3_jax.decoding.decoders import EagleDecoder
     from eagle3_jax.decoding.sampling import sampling_from_flags
     from eagle3_jax.draft.load import ACCEPTANCE_FILE, check_head_path, load_head
-    from eagle3_jax.export import weights_digest
+    from eagle3_jax.draft.export import weights_digest
 
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         raise UsageError("--num-prompts and --max-new-tokens must be >= 1")
@@ -84,13 +84,16 @@ def run(args: argparse.Namespace, load_fn: Callable | None = None) -> dict:
     result.update(prompts={"source": "sharegpt first user turns", "min_chars": HELD_OUT_CHARS[0],
                            "max_chars": HELD_OUT_CHARS[1], "count": len(prompts)},
                   max_new_tokens=args.max_new_tokens, head=loaded.description,
-                  weights_sha256=weights_digest(folder) if acceptance.is_file() else None)
+                  weights_sha256=(weights_digest(folder)
+                                  if (folder / "model.safetensors").is_file() else None))
     log(f"[calibrate: scale {result['scale']:.3f} (live tau - 1 over modelled tau - 1)]")
     write_json(Path(args.out), result)
     if args.write:
         record = json.loads(acceptance.read_text())
         record["live"] = result
-        acceptance.write_text(json.dumps(record, indent=1) + "\n")
+        tmp = acceptance.with_name(f"{acceptance.name}.tmp")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        tmp.replace(acceptance)  # atomic: the head keeps a whole file
         log(f"[calibrate: wrote the scale to {acceptance}]")
     return result
 

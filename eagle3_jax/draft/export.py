@@ -113,6 +113,14 @@ def released_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
 # safetensors, minimal.
 
 
+def weights_digest(folder: str | Path) -> str:
+    """sha256 of a released head's ``model.safetensors``: what a live calibration
+    (``acceptance.json``'s ``"live"``) belongs to."""
+    import hashlib
+
+    return hashlib.sha256((Path(folder) / "model.safetensors").read_bytes()).hexdigest()
+
+
 def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray], metadata=None) -> None:
     try:
         safetensors_io.write_safetensors(path, tensors, metadata)
