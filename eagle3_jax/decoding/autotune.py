@@ -14,7 +14,7 @@ The model (batch 1, greedy)::
 * ``E[tau]``: :func:`eagle3_jax.decoding.acceptance.expected_accept_length` from per-depth
   rates, its extra tokens times the head's live calibration ``accept_scale`` where the head
   has one (:mod:`eagle3_jax.decoding.calibration`: held-out rates overrate live decoding by
-  about the same factor for every tree, 0.56-0.58 for SmolLM2's shipped head).
+  a similar factor for every tree; SmolLM2's shipped head: 0.52-0.64 by tree, 0.544 pooled).
 * the rates: a head's measured per-depth top-r hit rates (training eval ``hits_per_step``, kept
   in a shipped head's ``acceptance.json``; TTT step i is exactly "depth i given correct
   ancestors"), so a rank-r sibling is credited with what was measured for rank r; else its

@@ -96,7 +96,7 @@ def load_head(path: str | Path, target_cfg: TargetConfig | None = None, *,
 
         # Stored in 16-bit or not, a head computes in its target's dtype.
         dtype = target_cfg.dtype if target_cfg is not None else None
-        rates, scale = _released_rates(folder / ACCEPTANCE_FILE)
+        rates, scale = _released_acceptance(folder / ACCEPTANCE_FILE)
         return LoadedHead(load_draft_head(folder, target_cfg, dtype=dtype),
                           f"released-format head {folder}", accept_rates=rates,
                           accept_scale=scale)
@@ -221,7 +221,8 @@ def _measured_rates(metrics_path: Path, step: int) -> list[float] | list[list[fl
     return None if record is None else rates_of(record)
 
 
-def _released_rates(path: Path) -> tuple[list[float] | list[list[float]] | None, float | None]:
+def _released_acceptance(path: Path) -> tuple[list[float] | list[list[float]] | None,
+                                              float | None]:
     """(rates, live scale) of a released folder's ``acceptance.json``; None for what is absent
     or unreadable (the chooser then falls back to its default profile or takes the rates as
     they are, and says which)."""
