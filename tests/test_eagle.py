@@ -99,6 +99,33 @@ def test_greedy_equals_plain_greedy(models, tree):
     np.testing.assert_array_equal(out.num_generated, plain.num_generated)
 
 
+def test_greedy_after_a_chunked_prefill_equals_plain_greedy(models, monkeypatch):
+    """The prefill run as forwards of 16 tokens (what the CPU kernels' policy does for long
+    prompts; this model is too small for them): the taps past the last chunk are zeros, and
+    EAGLE still decodes what plain decoding with one prefill forward decodes."""
+    import eagle3_jax.model.target as target
+
+    cfg, params, head = models
+    tokens, lengths = _prompts([37, 6, 21], cfg.vocab_size, seed=8)
+    tokens = jnp.pad(tokens, ((0, 0), (0, 64 - tokens.shape[1])))
+    widths = []
+
+    def chunks_of(size):
+        def policy(cfg, width):
+            widths.append((size, width))
+            return size
+        return policy
+
+    monkeypatch.setattr(target, "prefill_chunk", chunks_of(None))
+    plain = generate(params, cfg, tokens, lengths, max_new_tokens=33)
+    monkeypatch.setattr(target, "prefill_chunk", chunks_of(16))
+    out = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=33,
+                         tree=TREES["wide"])
+    assert widths == [(None, 64), (16, 64)]  # both traced with these policies
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.num_generated, plain.num_generated)
+
+
 def test_eagle31_head_greedy_equals_plain_greedy():
     """An EAGLE-3.1 head (tap norms, normed recurrent feature) through the whole decoder."""
     cfg, params, head = make_models(seed=1)

@@ -303,6 +303,85 @@ def test_bench_decode_loop_is_greedy_decoding(params):
     assert int(cache.end[0]) == p
 
 
+def test_chunked_prefill_matches_one_forward(params):
+    """A prefill run as forwards of 16 tokens in a while_loop against one forward over the
+    padded width: the same logits, final hidden state, cache (every slot below each row's
+    length) and taps to float32 round-off. The loop stops after the chunk holding the longest
+    row's last token: the 64-slot bucket's last chunk never runs (its taps stay zero, its cache
+    slots empty), where the one forward computed them."""
+    from eagle3_jax.model.target import prefill
+
+    lengths = np.array([37, 5, 0, 20], np.int32)  # a batch-padding row of length 0
+    tokens = np.array(jax.random.randint(jax.random.key(4), (4, 64), 1, CFG.vocab_size))
+    tokens[np.arange(64)[None, :] >= lengths[:, None]] = 0
+    taps = (0, 1)
+    one = prefill(params, CFG, jnp.asarray(tokens), jnp.asarray(lengths), 80, tap_layers=taps,
+                  chunk=None)
+    chunked = jax.jit(lambda t, n: prefill(params, CFG, t, n, 80, tap_layers=taps, chunk=16))(
+        jnp.asarray(tokens), jnp.asarray(lengths))
+    close = dict(rtol=1e-5, atol=1e-5)
+    real = lengths > 0
+    np.testing.assert_allclose(chunked.logits[real], one.logits[real], **close)
+    np.testing.assert_allclose(chunked.hidden[real], one.hidden[real], **close)
+    assert chunked.logits.shape == (4, 1, CFG.vocab_size)
+    assert chunked.hidden.shape == one.hidden.shape == (4, 1, CFG.hidden_size)
+    np.testing.assert_array_equal(chunked.cache.end, lengths)
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(chunked.taps[i, :n], one.taps[i, :n], **close)
+        for k1, kc, v1, vc in zip(one.cache.k, chunked.cache.k, one.cache.v, chunked.cache.v):
+            np.testing.assert_allclose(kc[i, ..., :n], k1[i, ..., :n], **close)
+            np.testing.assert_allclose(vc[i, :, :n], v1[i, :, :n], **close)
+    # 37 tokens: chunks [0, 16), [16, 32), [32, 48) ran, [48, 64) did not.
+    assert not np.asarray(chunked.taps[:, 48:]).any() and np.asarray(one.taps[:, 48:]).any()
+    assert not np.asarray(chunked.cache.v[0][:, :, 48:]).any()
+    assert np.asarray(chunked.cache.v[0][0, :, 32:48]).any()
+
+
+def test_greedy_after_a_chunked_prefill_matches_the_reference(params, monkeypatch):
+    """Decoding as the decoders run it, with the prefill policy set to chunks of 16 (on CPU
+    with the kernels it picks ``PREFILL_CHUNK``; this model is too small for them), equals the
+    no-cache reference."""
+    import eagle3_jax.model.target as target
+
+    widths = []
+
+    def chunks_of_16(cfg, width):
+        widths.append(width)
+        return 16 if width > 16 else None
+
+    monkeypatch.setattr(target, "prefill_chunk", chunks_of_16)
+    prompts = [list(range(1, 36)), [5, 6, 7], [9, 2] * 10]
+    batch = pad_prompts(prompts)
+    assert batch.tokens.shape[1] == 64
+    out = generate(params, CFG, batch.tokens, batch.lengths, max_new_tokens=N + 1)
+    assert 64 in widths  # traced with this policy, not served from an earlier compilation
+    for i, prompt in enumerate(prompts):
+        assert row(out, i) == reference_greedy(params, prompt, N + 1), f"row {i}"
+
+
+def test_prefill_chunks_only_where_the_cpu_kernels_run():
+    """The policy: chunks of ``PREFILL_CHUNK`` for float32 on CPU with the kernels, one forward
+    for a width of one chunk, for bfloat16, a head size the attention kernel does not take, and
+    with the kernels switched off."""
+    import dataclasses
+
+    from eagle3_jax.kernels.library import kernel_available, set_kernel_enabled
+    from eagle3_jax.model.target import PREFILL_CHUNK, prefill_chunk
+
+    if not kernel_available():
+        pytest.skip("the CPU kernel library is not built here")
+    cfg = dataclasses.replace(CFG, dtype="float32", num_heads=2, num_kv_heads=1, head_dim=16)
+    assert prefill_chunk(cfg, 512) == PREFILL_CHUNK == 32
+    assert prefill_chunk(cfg, PREFILL_CHUNK) is None
+    assert prefill_chunk(dataclasses.replace(cfg, dtype="bfloat16"), 512) is None
+    assert prefill_chunk(CFG, 512) is None  # head dim 8: no attention kernel
+    set_kernel_enabled(False)
+    try:
+        assert prefill_chunk(cfg, 512) is None
+    finally:
+        set_kernel_enabled(None)
+
+
 def test_greedy_argmax_is_the_first_index_of_the_maximum():
     """The two-reduction argmax used for greedy decoding against numpy's, with ties (the lowest
     index wins), -inf entries and several leading axes."""
