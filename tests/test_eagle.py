@@ -59,19 +59,29 @@ def _prompts(lengths, vocab, seed=3):
     return jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
 
 
+@pytest.mark.parametrize("sixteen_bit", [False, True], ids=["float32", "bfloat16_values"])
 @pytest.mark.parametrize("variant", [{}, {"fc_norm": True, "norm_output": True,
                                             "norm_before_residual": True}], ids=["3", "3.1"])
-def test_serving_layout_computes_the_trained_draft_step(models, variant):
+def test_serving_layout_computes_the_trained_draft_step(models, variant, sixteen_bit):
     """The serving layout (fused, [out, in]: the rows kernel) against the trained layout's
     [in, out] matmuls: the same feature, logits and cache from the taps and a cached step, to
-    float32 round-off; the conversion moves data only and is idempotent."""
-    from eagle3_jax.draft.params import is_serving
+    float32 round-off; the conversion moves data only and is idempotent. A head whose values
+    are all bfloat16 (stored in 16 bits, loaded as float32: the shipped one) is served from
+    bfloat16 matrices where the CPU kernel reads them, with the same results."""
+    from eagle3_jax.draft.params import SERVING_MATRICES, is_serving
+    from eagle3_jax.kernels.library import kernels_in_use
     cfg, _, head = models
     dcfg = dataclasses.replace(head.cfg, **variant)
     trained = init_draft_params(dcfg, jax.random.key(7), scale=0.3)
+    if sixteen_bit:
+        trained = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(a.dtype), trained)
     serving = DraftHead(params=trained, vocab=head.vocab, cfg=dcfg).serving()
     assert is_serving(serving.params) and serving.serving() is serving
-    np.testing.assert_array_equal(serving.params["lm_head_t"], trained["lm_head"].T)
+    narrow = sixteen_bit and kernels_in_use(jnp.float32, "matmul")
+    for name in SERVING_MATRICES:
+        assert serving.params[name].dtype == (jnp.bfloat16 if narrow else jnp.float32), name
+    np.testing.assert_array_equal(serving.params["lm_head_t"].astype(jnp.float32),
+                                  trained["lm_head"].T)
     b, t, slots, d = 2, 3, 16, dcfg.hidden_size
     rng = np.random.default_rng(0)
     taps = jnp.asarray(rng.normal(size=(b, t, 3 * d)), jnp.float32)
@@ -124,6 +134,27 @@ def test_greedy_after_a_chunked_prefill_equals_plain_greedy(models, monkeypatch)
     assert widths == [(None, 64), (16, 64)]  # both traced with these policies
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     np.testing.assert_array_equal(out.num_generated, plain.num_generated)
+
+
+def test_a_head_of_bfloat16_values_decodes_losslessly(models):
+    """A head of bfloat16 values, served from bfloat16 matrices on CPU: EAGLE greedy equals
+    plain greedy, and (on a CPU without AVX-512, where both are the same instructions after
+    the widening) the draft accepts exactly what the float32-held head accepts."""
+    cfg, params, head = models
+    rounded = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(a.dtype), head.params)
+    head16 = DraftHead(params=rounded, vocab=head.vocab, cfg=head.cfg)
+    tokens, lengths = _prompts([13, 5], cfg.vocab_size)
+    plain = generate(params, cfg, tokens, lengths, max_new_tokens=30)
+    out = generate_eagle(params, cfg, head16, tokens, lengths, max_new_tokens=30,
+                         tree=TREES["wide"])
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    if "avx512f" in open("/proc/cpuinfo").read().split():
+        return  # float32 weights run the AVX-512 form there: other sums, near-ties may flip
+    from eagle3_jax.draft.params import to_serving
+    held32 = head16.replace(params=to_serving(rounded))  # serving layout, float32 matrices
+    out32 = generate_eagle(params, cfg, held32, tokens, lengths, max_new_tokens=30,
+                           tree=TREES["wide"])
+    np.testing.assert_array_equal(out.accept_hist, out32.accept_hist)
 
 
 def test_eagle31_head_greedy_equals_plain_greedy():

@@ -297,3 +297,65 @@ def test_single_row_blocks_fallback_equals_the_dot():
     y = jax.jit(lambda x, w: rm.rows_matmul(x, w, xla_single_row_blocks=8))(x, w)
     np.testing.assert_allclose(np.asarray(y), np.einsum("bti,oi->bto", np.asarray(x, np.float64),
                                                         np.asarray(w)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not KERNEL_EXPECTED, reason="the kernel needs x86-64 and a C++ compiler")
+@pytest.mark.parametrize("out,inner", sorted(_model_shapes()))
+def test_bfloat16_weight_kernel_on_every_model_shape(out, inner):
+    """float32 rows times a bfloat16 [out, in] weight (the draft head held in 16 bits): the
+    exact product of the widened weight to the same tolerance as the float32 kernel, a row's
+    bits independent of the number of rows, and (the same instructions after the widening) bit
+    for bit the float32 kernel's on a CPU without AVX-512, whose float32 form is that one."""
+    w16 = _random((_clip(out), inner), out * 5 + inner).astype(jnp.bfloat16)
+    w32 = w16.astype(jnp.float32)
+    x64 = _random((max(ROWS), inner), inner + 1)
+    ref = np.asarray(x64, np.float64) @ np.asarray(w32, np.float64).T
+    kernel = jax.jit(rm.rows_matmul)
+    avx2_only = "avx512f" not in open("/proc/cpuinfo").read().split()
+    first_row = None
+    for rows in ROWS:
+        y = np.asarray(kernel(x64[:rows], w16))
+        assert y.dtype == np.float32
+        np.testing.assert_allclose(y, ref[:rows], rtol=0, atol=RTOL * np.abs(ref[:rows]).max())
+        if avx2_only:
+            np.testing.assert_array_equal(y, np.asarray(kernel(x64[:rows], w32)))
+        if first_row is None:
+            first_row = y[0]
+        np.testing.assert_array_equal(y[0], first_row)
+
+
+@pytest.mark.skipif(not KERNEL_EXPECTED, reason="the kernel needs x86-64 and a C++ compiler")
+def test_bfloat16_weights_where_exact_and_the_kernel_reads_them():
+    """``bfloat16_weights`` narrows a float32 weight only when every value is a bfloat16 and the
+    kernel runs; the kernel form is lowered for up to 64 rows, the widened XLA dot beyond, when
+    switched off and for a TPU, all with the same numbers; it runs in a while_loop."""
+    w = _random((40, 24), 9).astype(jnp.bfloat16).astype(jnp.float32)
+    narrow = rm.bfloat16_weights(w)
+    assert narrow.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(narrow.astype(jnp.float32)), np.asarray(w))
+    rounded = w.at[3, 5].add(1e-4)  # one value bfloat16 would round
+    assert rm.bfloat16_weights(rounded) is rounded
+    assert jax.jit(lambda w: rm.bfloat16_weights(w).dtype == jnp.float32)(w)  # traced: as is
+    x = _random((5, 24), 10)
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    assert rm.FFI_TARGET_BF16 in _lowered_text(rm.rows_matmul, x, narrow)
+    assert rm.FFI_TARGET_BF16 not in _lowered_text(rm.rows_matmul, _random((65, 24), 2), narrow)
+    tpu = jax.jit(rm.rows_matmul).trace(x, narrow).lower(lowering_platforms=("tpu",)).as_text()
+    assert rm.FFI_TARGET_BF16 not in tpu
+
+    def loop(x, w):
+        return jax.lax.fori_loop(0, 3, lambda i, y: y + rm.rows_matmul(x, w), jnp.zeros((5, 40)))
+
+    np.testing.assert_allclose(np.asarray(jax.jit(loop)(x, narrow)), 3 * ref, rtol=1e-5,
+                               atol=1e-5)
+    for rows in (5, 65):
+        xr = _random((rows, 24), 11)
+        want = np.asarray(xr, np.float64) @ np.asarray(w, np.float64).T
+        np.testing.assert_allclose(np.asarray(jax.jit(rm.rows_matmul)(xr, narrow)), want,
+                                   rtol=1e-5, atol=1e-5)
+    library.set_kernel_enabled(False)
+    jax.clear_caches()
+    assert rm.bfloat16_weights(w) is w
+    assert rm.FFI_TARGET_BF16 not in _lowered_text(rm.rows_matmul, x, narrow)
+    np.testing.assert_allclose(np.asarray(jax.jit(rm.rows_matmul)(x, narrow)), ref, rtol=1e-5,
+                               atol=1e-5)

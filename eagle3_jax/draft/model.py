@@ -42,7 +42,9 @@ def _matmul(params: Params, name: str, x: jax.Array, **kwargs) -> jax.Array:
 def fuse_taps(params: Params, cfg: DraftConfig, taps: jax.Array) -> jax.Array:
     """Target taps [B, T, 3D] (low, mid, high) -> step-0 feature [B, T, D]; with
     ``cfg.fc_norm`` (EAGLE-3.1) each tap is RMS-normed by its own scale first."""
-    taps = taps.astype(params["fc_t" if is_serving(params) else "fc"].dtype)
+    # The head's dtype is its norms': serving matrices may be held narrower (bfloat16 values
+    # read by the CPU kernel, ``DraftHead.serving``) and still compute in it.
+    taps = taps.astype(params["hidden_norm"].dtype)
     if cfg.fc_norm:
         b, t, _ = taps.shape
         per_tap = taps.reshape(b, t, cfg.num_taps, cfg.hidden_size)

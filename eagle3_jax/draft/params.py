@@ -40,6 +40,7 @@ import numpy as np
 from flax import struct
 
 from eagle3_jax.draft.config import DraftConfig
+from eagle3_jax.kernels.matmul import bfloat16_weights
 from eagle3_jax.model.params import ParamSpec, Params, is_spec
 
 
@@ -128,6 +129,9 @@ def _serving_matrices(params: Params) -> Params:
     }
 
 
+SERVING_MATRICES = ("fc_t", "wqkv_t", "wo_t", "w_gate_up_t", "w_down_t", "lm_head_t")
+
+
 def to_serving(params: Params) -> Params:
     """Draft params as trained -> the serving layout (module docstring); exact (only moves
     data), and serving params are returned unchanged."""
@@ -148,7 +152,12 @@ class DraftHead:
 
     def serving(self) -> "DraftHead":
         """This head with its params in the serving layout (:func:`to_serving`), what decoding
-        runs; itself when they already are."""
+        runs; itself when they already are. On CPU with the matmul kernel, matrices whose
+        values are all bfloat16 (a head stored in 16 bits and loaded as float32, like the
+        shipped one) are held as bfloat16: a draft step, memory-bound on its weights, reads
+        half the bytes and computes the same float32 products (``bfloat16_weights``)."""
         if is_serving(self.params):
             return self
-        return self.replace(params=to_serving(self.params))
+        params = to_serving(self.params)
+        return self.replace(params={name: bfloat16_weights(value) if name in SERVING_MATRICES
+                                    else value for name, value in params.items()})

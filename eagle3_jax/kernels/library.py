@@ -30,6 +30,7 @@ TARGETS = {
     "eagle3_rows_matmul": "Eagle3RowsMatmul",  # kernels/cpu/rows_matmul.cc, w [out, in]
     "eagle3_rows_matmul_in_out": "Eagle3RowsMatmulInOut",  # the same, w [in, out]
     "eagle3_panel_matmul": "Eagle3PanelMatmul",  # the same, w as panels [out / 16, in, 16]
+    "eagle3_rows_matmul_bf16": "Eagle3RowsMatmulBf16",  # w [out, in] in bfloat16
     "eagle3_cached_attention": "Eagle3CachedAttention",  # kernels/cpu/attention.cc
 }
 # What the kernels are built from (package-relative), for caches keyed on the timed code.

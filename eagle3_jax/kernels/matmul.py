@@ -1,5 +1,6 @@
 """``rows_matmul(x, w)``: x [..., I] times an [out, in] weight w [O, I] -> [..., O]
-(``in_out=True``: times an [in, out] weight w [I, O], the draft head's layout);
+(``in_out=True``: times an [in, out] weight w [I, O], the draft head's trained layout; a
+bfloat16 w with float32 x: the widened weight, read from half the bytes, ``bfloat16_weights``);
 ``panel_matmul(x, p)``: the same product with the weight regrouped as panels
 p [O/16, I, 16] (``to_panels``), the form the CPU kernel streams fastest (the target's serving
 weights on CPU: ``eagle3_jax.model.params.to_panels``).
@@ -39,6 +40,7 @@ KERNEL_MAX_ROWS = 64
 FFI_TARGET = "eagle3_rows_matmul"  # w [out, in]
 FFI_TARGET_IN_OUT = "eagle3_rows_matmul_in_out"  # w [in, out]
 FFI_TARGET_PANELS = "eagle3_panel_matmul"  # w as panels [out / 16, in, 16]
+FFI_TARGET_BF16 = "eagle3_rows_matmul_bf16"  # w [out, in] in bfloat16, x and y float32
 PANEL = 16  # outputs per panel
 
 
@@ -55,6 +57,11 @@ def _xla_dot(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Arr
 
 def _xla_dot_in_out(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
     return jnp.einsum("...I,IO->...O", x, w, preferred_element_type=preferred_element_type)
+
+
+def _xla_dot_bf16(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
+    """x (float32) times bfloat16 w [O, I] widened to float32 (exact): the kernel's product."""
+    return _xla_dot(x, w.astype(x.dtype), preferred_element_type=preferred_element_type)
 
 
 def _xla_dot_panels(x: jax.Array, p: jax.Array, preferred_element_type=None) -> jax.Array:
@@ -120,6 +127,7 @@ def _kernel(target: str, out_width, xla_dot):
 _kernel_dot = _kernel(FFI_TARGET, lambda w: w.shape[0], _xla_dot)  # w [out, in]
 _kernel_dot_in_out = _kernel(FFI_TARGET_IN_OUT, lambda w: w.shape[1], _xla_dot_in_out)
 _kernel_dot_panels = _kernel(FFI_TARGET_PANELS, lambda p: p.shape[0] * PANEL, _xla_dot_panels)
+_kernel_dot_bf16 = _kernel(FFI_TARGET_BF16, lambda w: w.shape[0], _xla_dot_bf16)  # w [out, in]
 
 
 def panel_matmul(x: jax.Array, p: jax.Array, *, preferred_element_type=None) -> jax.Array:
@@ -138,6 +146,19 @@ def panel_matmul(x: jax.Array, p: jax.Array, *, preferred_element_type=None) -> 
     return _xla_dot_panels(x, p, preferred_element_type=preferred_element_type)
 
 
+def bfloat16_weights(w: jax.Array) -> jax.Array:
+    """An [out, in] float32 weight held as bfloat16 where that is exact and the kernel reads
+    it (float32 on CPU with the matmul kernel): a weight that is memory-bound at few rows
+    (the draft head) is then read from half the bytes with the same products. Otherwise (a
+    value bfloat16 would round, accelerators, the kernel off) ``w`` itself."""
+    if (isinstance(w, jax.core.Tracer) or w.dtype != jnp.float32 or w.ndim != 2
+            or not kernels_in_use(w.dtype, "matmul")):
+        return w
+    narrow = w.astype(jnp.bfloat16)
+    exact = bool(jnp.array_equal(narrow.astype(jnp.float32), w))
+    return narrow if exact else w
+
+
 def panels_in_use(dtype) -> bool:
     """Whether float32 weights traced now on CPU would run the panel kernel, i.e. whether a
     serving model should hold its matrices as panels (``eagle3_jax.model.params.to_panels``)."""
@@ -151,12 +172,19 @@ def rows_matmul(x: jax.Array, w: jax.Array, *, in_out: bool = False,
 
     ``preferred_element_type``: the XLA dot's accumulation/result type (e.g. float32 logits
     from bfloat16 weights); the kernel, float32 only, already gives it.
+    float32 x with a bfloat16 [out, in] w (``bfloat16_weights``): float32 products of the
+    widened weights (exact), on CPU by the kernel's bfloat16 form (half the bytes read).
     ``xla_single_row_blocks`` > 1: where the XLA dot runs on CPU for a single row of an
     [out, in] weight, split ``w`` into that many row blocks (``_xla_single_row``).
     """
     rows = math.prod(x.shape[:-1])
-    kernel, xla = (_kernel_dot_in_out, _xla_dot_in_out) if in_out else (_kernel_dot, _xla_dot)
     out_type = jnp.dtype(preferred_element_type or x.dtype)
+    if w.dtype == jnp.bfloat16 and x.dtype == jnp.float32 and not in_out:
+        # float32 rows times bfloat16 weights (``bfloat16_weights``), float32 results.
+        if out_type == jnp.float32 and uses_kernel(rows, x.dtype):
+            return jax.lax.platform_dependent(x, w, cpu=_kernel_dot_bf16, default=_xla_dot_bf16)
+        return _xla_dot_bf16(x, w, preferred_element_type=preferred_element_type)
+    kernel, xla = (_kernel_dot_in_out, _xla_dot_in_out) if in_out else (_kernel_dot, _xla_dot)
     if x.dtype == w.dtype == out_type and uses_kernel(rows, x.dtype, in_out):
         return jax.lax.platform_dependent(x, w, cpu=kernel, default=xla)
     blocks = xla_single_row_blocks

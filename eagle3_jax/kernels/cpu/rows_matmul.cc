@@ -6,6 +6,9 @@
 //   y[m, 16p + c] = sum_i x[m, i] * w[p, i, c]   the same with w as panels [O/16, I, 16]
 //                                          (`Eagle3PanelMatmul`: the target's serving weights
 //                                          on CPU; see "Panels" below)
+//   y[m, o] = sum_i x[m, i] * float(w[o, i])   w [O, I] bf16, x and y f32
+//                                          (`Eagle3RowsMatmulBf16`: the draft head when its
+//                                          values are all bfloat16; AVX2 form on every CPU)
 //
 // Why: XLA CPU runs a dot with few rows (M = 1..64: a decode step, a draft-tree verification)
 // as a general matmul that packs the whole weight into a scratch layout on every call, so a
@@ -58,8 +61,8 @@ constexpr int kOut512 = 4, kRows512 = 6;
 #endif
 constexpr int kPrefetchBlocks = EAGLE3_PREFETCH_BLOCKS;
 
-template <int RO>
-__attribute__((always_inline)) inline void PrefetchAhead(const float* w, int64_t in, int64_t i) {
+template <int RO, typename W>
+__attribute__((always_inline)) inline void PrefetchAhead(const W* w, int64_t in, int64_t i) {
   for (int r = 0; r < RO; ++r)
     _mm_prefetch(reinterpret_cast<const char*>(w + (r + kPrefetchBlocks * RO) * in + i), _MM_HINT_T0);
 }
@@ -157,16 +160,34 @@ __attribute__((target("avx2,fma"))) inline float HorizontalSum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int RO, int RM>
+// Weights as float32, or as bfloat16 (`uint16_t`: the top half of a float32, so widening is a
+// shift and exact): half the bytes for a weight that is memory-bound at few rows (the draft
+// head, stored in bfloat16). The products and sums are float32's in the same order either way.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 LoadWeights256(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 LoadWeights256(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline float WeightValue(float w) { return w; }
+inline float WeightValue(uint16_t w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+template <int RO, int RM, typename W>
 __attribute__((target("avx2,fma"), always_inline)) inline void Micro256(
-    const float* x, int64_t ldx, const float* w, int64_t in, float* y, int64_t ldy) {
+    const float* x, int64_t ldx, const W* w, int64_t in, float* y, int64_t ldy) {
   __m256 acc[RO][RM];
   for (int r = 0; r < RO; ++r)
     for (int m = 0; m < RM; ++m) acc[r][m] = _mm256_setzero_ps();
   const int64_t vec_end = in - in % 8;
   for (int64_t i = 0; i < vec_end; i += 8) {
     __m256 wv[RO];
-    for (int r = 0; r < RO; ++r) wv[r] = _mm256_loadu_ps(w + r * in + i);
+    for (int r = 0; r < RO; ++r) wv[r] = LoadWeights256(w + r * in + i);
     PrefetchAhead<RO>(w, in, i);
     for (int m = 0; m < RM; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + m * ldx + i);
@@ -176,14 +197,14 @@ __attribute__((target("avx2,fma"), always_inline)) inline void Micro256(
   for (int r = 0; r < RO; ++r) {
     for (int m = 0; m < RM; ++m) {
       float s = HorizontalSum(acc[r][m]);
-      for (int64_t i = vec_end; i < in; ++i) s += w[r * in + i] * x[m * ldx + i];
+      for (int64_t i = vec_end; i < in; ++i) s += WeightValue(w[r * in + i]) * x[m * ldx + i];
       y[m * ldy + r] = s;
     }
   }
 }
 
-template <int RO>
-__attribute__((target("avx2,fma"))) inline void Rows256(const float* x, int64_t n, const float* w,
+template <int RO, typename W>
+__attribute__((target("avx2,fma"))) inline void Rows256(const float* x, int64_t n, const W* w,
                                                        int64_t in, float* y, int64_t out) {
   switch (n) {
     case 1: Micro256<RO, 1>(x, in, w, in, y, out); break;
@@ -194,15 +215,16 @@ __attribute__((target("avx2,fma"))) inline void Rows256(const float* x, int64_t 
   }
 }
 
-template <int RO>
-__attribute__((target("avx2,fma"))) void AllRows256(const float* x, int64_t rows, const float* w,
+template <int RO, typename W>
+__attribute__((target("avx2,fma"))) void AllRows256(const float* x, int64_t rows, const W* w,
                                                     int64_t in, float* y, int64_t out) {
   EvenBlocks(rows, kRows256, [&](int64_t m, int64_t n) {
     Rows256<RO>(x + m * in, n, w, in, y + m * out, out);
   });
 }
 
-__attribute__((target("avx2,fma"))) void OutRange256(const float* x, int64_t rows, const float* w,
+template <typename W>
+__attribute__((target("avx2,fma"))) void OutRange256(const float* x, int64_t rows, const W* w,
                                                      int64_t in, float* y, int64_t out,
                                                      int64_t begin, int64_t end) {
   int64_t o = begin;
@@ -419,7 +441,7 @@ using OutRangeFn = void (*)(const float*, int64_t, const float*, int64_t, float*
 // The widest variant this CPU runs (decided once).
 OutRangeFn SelectOutRange() {
   if (__builtin_cpu_supports("avx512f")) return OutRange512;
-  return OutRange256;
+  return OutRange256<float>;
 }
 
 const OutRangeFn kOutRange = SelectOutRange();
@@ -507,7 +529,46 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return Run<layout>(pool, x, w, y);
 }
 
+// y [rows, out] = x [rows, in] (float32) times w [out, in] in bfloat16: the AVX2 form on every
+// CPU (AVX-512 ones run it too; at the few rows it is used for, it is memory-bound).
+ffi::Error RowsBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                        ffi::ResultBuffer<ffi::F32> y) {
+#if EAGLE3_X86
+  const auto x_dims = x.dimensions();
+  const auto w_dims = w.dimensions();
+  if (x_dims.size() < 1 || w_dims.size() != 2)
+    return ffi::Error::InvalidArgument("rows_matmul (bfloat16): w must be 2-D and x [..., in]");
+  const int64_t out = w_dims[0], in = w_dims[1];
+  if (x_dims[x_dims.size() - 1] != in)
+    return ffi::Error::InvalidArgument("rows_matmul: x's last axis must equal w's `in`");
+  const int64_t rows = x.element_count() / (in > 0 ? in : 1);
+  if (rows == 0 || out == 0) return ffi::Error::Success();
+  if (in == 0) {
+    std::memset(y->typed_data(), 0, sizeof(float) * rows * out);
+    return ffi::Error::Success();
+  }
+  const float* xp = x.typed_data();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  float* yp = y->typed_data();
+  const int64_t chunk = ChunkSize(out, eagle3::ThreadCount(pool), 12);
+  eagle3::ParallelFor(pool, (out + chunk - 1) / chunk, [&](int64_t c) {
+    const int64_t begin = c * chunk;
+    OutRange256(xp, rows, wp, in, yp, out, begin, begin + chunk < out ? begin + chunk : out);
+  });
+  return ffi::Error::Success();
+#else
+  return ffi::Error::Internal("rows_matmul: built for a CPU other than x86-64");
+#endif
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Eagle3RowsMatmulBf16, RowsBf16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 // One binding for the three layouts: (thread pool, x, w) -> y, all float32.
 #define EAGLE3_MATMUL_HANDLER(symbol, layout)                                            \
