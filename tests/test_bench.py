@@ -20,8 +20,23 @@ def test_bench_forward_writes_curve_and_floor(smollm2_gguf_path, tmp_path):
     assert result["compute_floor_ms"]["4"] > result["compute_floor_ms"]["1"] > 0
     assert result["matmul_peak_gflop_s"] > 0 and result["forward_over_floor"]["1"] > 0
     assert set(result["draft_step_ms"]) == {"1", "4"}  # the shipped head's step
+    from eagle3_jax.kernels.library import kernels_in_use
+    if kernels_in_use("float32", "matmul"):  # the shipped head's bfloat16 values held so
+        assert set(result["draft_step_ms_float32_held"]) == {"1", "4"}
     assert result["decode_loop_ms_per_token"] > 0
     assert result["param_bytes"] > 500e6 and png.stat().st_size > 0
+
+
+def test_bench_prefill_times_both_forms(smollm2_gguf_path, tmp_path):
+    out, png = tmp_path / "prefill.json", tmp_path / "prefill.png"
+    assert main(["prefill", "--lengths", "20,40", "--repeats", "1", "--max-new-tokens", "8",
+                 "--out", str(out), "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["length"], r["bucket"]) for r in rows] == [(20, 32), (40, 64)]
+    assert rows[0]["chunk"] is None  # one chunk's width: one forward either way
+    for r in rows:
+        assert r["one_forward_ms"] > 0 and r["decoders_ms"] > 0 and r["decode_step_ms"] > 0
+    assert png.stat().st_size > 0
 
 
 def test_bench_calibrate_writes_the_scale_into_the_heads_acceptance(smollm2_gguf_path,

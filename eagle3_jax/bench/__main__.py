@@ -1,9 +1,9 @@
-"""``python -m eagle3_jax.bench <forward|train|speed|startup|calibrate> [options]``."""
+"""``python -m eagle3_jax.bench <forward|prefill|train|speed|startup|calibrate> [options]``."""
 
 import importlib
 import sys
 
-COMMANDS = ("forward", "train", "speed", "startup", "calibrate")
+COMMANDS = ("forward", "prefill", "train", "speed", "startup", "calibrate")
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,9 @@ Measures, on the running machine:
     ``eagle3_jax.kernels.attention``); the panel matmul kernel on the matrices as panels
     (``eagle3_jax.model.params.to_panels``); and both kernels on panels, what decoding runs
     (alternating rounds, medians), so the table shows what each form buys;
-  * one draft step of the target's shipped head over w = 1, 4, 10 tokens (a tree level);
+  * one draft step of the target's shipped head over w = 1, 4, 10 tokens (a tree level), as
+    decoding holds it (bfloat16 matrices on CPU for a head of bfloat16 values) and, then, with
+    the same values held in float32 (alternating rounds);
   * greedy tokens/s of ``eagle3_jax.decoding.generate`` against HF transformers float32 greedy
     ``generate`` on the same chat prompts, batch 1, interleaved, medians.
 """
@@ -143,19 +145,31 @@ def curves_by_kernel(params, cfg, context: int, sizes, repeats: int, rounds: int
             for mode, runs in samples.items()}
 
 
-def draft_step_ms(target: str | None, loaded, context: int, widths,
-                  repeats: int) -> dict[int, float] | None:
-    """Milliseconds of one step of the shipped head of ``target`` over w tokens, or None."""
+def draft_step_ms(target: str | None, loaded, context: int, widths, repeats: int,
+                  rounds: int = 2) -> dict[str, dict[int, float]] | None:
+    """Milliseconds of one step of the shipped head of ``target`` over w tokens, or None:
+    ``{"decoding": ...}`` as decoding holds it (``DraftHead.serving``) and, where that holds
+    its matrices as bfloat16, ``"float32-held"`` for the same values in float32; alternating
+    rounds, medians."""
     from eagle3_jax.decoding.costs import measure_draft_steps
     from eagle3_jax.draft.load import load_head
+    from eagle3_jax.draft.params import to_serving
     from eagle3_jax.draft.shipped import shipped_head_for
 
     path = shipped_head_for(target)
     if path is None:
         return None
     head = load_head(path, loaded.cfg).head
-    steps = measure_draft_steps(head, loaded.params["embed"], context, widths, repeats)
-    return {w: s * 1e3 for w, s in steps.items()}
+    forms = {"decoding": head.serving()}
+    if any(v.dtype == jnp.bfloat16 for v in forms["decoding"].params.values()):
+        forms["float32-held"] = head.replace(params=to_serving(head.params))
+    samples = {name: [] for name in forms}
+    for _ in range(rounds if len(forms) > 1 else 1):
+        for name, form in forms.items():
+            samples[name].append(measure_draft_steps(form, loaded.params["embed"], context,
+                                                     widths, repeats))
+    return {name: {w: statistics.median(r[w] for r in runs) * 1e3 for w in widths}
+            for name, runs in samples.items()}
 
 
 def plot_curve(path: str, curves_ms: dict[str, dict[int, float]], bandwidth_ms: float,
@@ -235,10 +249,15 @@ def main(argv=None) -> int:
                      floor_compute[t] * 1e3, best[t] / decode, best[t] / floor))
     print(markdown_table(headers, rows))
     widths = [int(w) for w in args.draft_widths.split(",") if w]
-    draft = draft_step_ms(args.target, loaded, args.context, widths, args.repeats) if widths else None
+    forms = draft_step_ms(args.target, loaded, args.context, widths, args.repeats,
+                          args.rounds) if widths else None
+    draft = forms and forms["decoding"]
     if draft:
-        print("\n" + markdown_table(["draft width w", "ms / draft step", "x decode step"],
-                                     [(w, ms, ms / (decode * 1e3)) for w, ms in draft.items()]))
+        held = forms.get("float32-held")
+        print("\n" + markdown_table(
+            ["draft width w", "ms / draft step", "x decode step"]
+            + (["ms, float32-held matrices"] if held else []),
+            [(w, ms, ms / (decode * 1e3), *([held[w]] if held else [])) for w, ms in draft.items()]))
     print(f"\nbandwidth {bandwidth / 1e9:.2f} GB/s -> decode floor {floor_bw * 1e3:.2f} ms; "
           f"matmul peak {peak / 1e9:.0f} GFLOP/s ({peak_shape}); decode step {decode * 1e3:.2f} "
           f"ms = {decode / floor_bw:.2f}x floor; in the jitted decode loop "
@@ -256,7 +275,9 @@ def main(argv=None) -> int:
         "decode_step_ms": decode * 1e3, "decode_step_over_floor": decode / floor_bw,
         "decode_loop_ms_per_token": best["loop"] * 1e3,
         "decode_loop_over_floor": best["loop"] / floor_bw,
-        "draft_step_ms": None if draft is None else {str(w): v for w, v in draft.items()},
+        "draft_step_ms": None if not draft else {str(w): v for w, v in draft.items()},
+        "draft_step_ms_float32_held": None if not forms or "float32-held" not in forms else
+        {str(w): v for w, v in forms["float32-held"].items()},
     }
     if not args.skip_hf:
         hf = load_hf_reference(loaded.weights)

@@ -29,7 +29,9 @@ each transposed to [out, in] (suffix ``_t``), q/k/v and gate/up fused, the norms
 
 That is the form the CPU rows kernel reads at memory speed for the few rows of a draft step
 (``kernels/matmul.py``): on a 2-core AVX2 CPU one step's matmuls take 1.2 ms at 2 rows and 1.24
-at 4, against 2.3 and 3.3 as XLA dots of the [in, out] matrices.
+at 4, against 2.3 and 3.3 as XLA dots of the [in, out] matrices. ``DraftHead.serving`` holds
+them as bfloat16 where every value is one and the kernel runs (a head stored in 16 bits): a
+whole draft step then takes 0.76-0.84 ms at 1-4 rows against 1.27-1.40 (``bench forward``).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -230,6 +231,33 @@ __attribute__((target("avx2,fma"))) void OutRange256(const float* x, int64_t row
   int64_t o = begin;
   for (; o + kOut256 <= end; o += kOut256) AllRows256<kOut256>(x, rows, w + o * in, in, y + o, out);
   for (; o < end; ++o) AllRows256<1>(x, rows, w + o * in, in, y + o, out);
+}
+
+// bfloat16 weights with more rows than one block: each group of weight rows is widened once
+// into a float32 scratch (3 x in floats, in L1/L2) that every row block then reads, instead of
+// widening it again per block (10 rows, the draft head: 2.5 -> ms a step against 2.1 for
+// float32 weights). The same values and instructions as reading the bfloat16 directly.
+template <int RO>
+__attribute__((target("avx2,fma"))) void AllRowsWidened256(const float* x, int64_t rows,
+                                                            const uint16_t* w, int64_t in,
+                                                            float* y, int64_t out, float* scratch) {
+  if (rows <= kRows256) {
+    AllRows256<RO>(x, rows, w, in, y, out);
+    return;
+  }
+  for (int64_t i = 0; i < RO * in; ++i) scratch[i] = WeightValue(w[i]);
+  AllRows256<RO>(x, rows, static_cast<const float*>(scratch), in, y, out);
+}
+
+__attribute__((target("avx2,fma"))) void OutRange256Bf16(const float* x, int64_t rows,
+                                                         const uint16_t* w, int64_t in, float* y,
+                                                         int64_t out, int64_t begin, int64_t end) {
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < kOut256 * in) scratch.resize(kOut256 * in);
+  int64_t o = begin;
+  for (; o + kOut256 <= end; o += kOut256)
+    AllRowsWidened256<kOut256>(x, rows, w + o * in, in, y + o, out, scratch.data());
+  for (; o < end; ++o) AllRowsWidened256<1>(x, rows, w + o * in, in, y + o, out, scratch.data());
 }
 
 // ---- [in, out] weights: y[m, c] = sum_i x[m, i] * w[i, c] ------------------------------------
@@ -553,7 +581,7 @@ ffi::Error RowsBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const int64_t chunk = ChunkSize(out, eagle3::ThreadCount(pool), 12);
   eagle3::ParallelFor(pool, (out + chunk - 1) / chunk, [&](int64_t c) {
     const int64_t begin = c * chunk;
-    OutRange256(xp, rows, wp, in, yp, out, begin, begin + chunk < out ? begin + chunk : out);
+    OutRange256Bf16(xp, rows, wp, in, yp, out, begin, begin + chunk < out ? begin + chunk : out);
   });
   return ffi::Error::Success();
 #else
