@@ -492,27 +492,28 @@ int64_t ChunkSize(int64_t out, int64_t threads, int64_t unit) {
   return (chunk + unit - 1) / unit * unit;
 }
 
-// y [rows, out] = x [rows, in] times w: [out, in] when `w_in_out` is false, else [in, out].
-// The weight layouts the handlers take.
-enum class Layout { kOutIn, kInOut, kPanels };  // w [out, in], [in, out], panels [P, in, 16]
+// The weight layouts the handlers take: w [out, in], [in, out], panels [P, in, 16], and
+// [out, in] in bfloat16 (the AVX2 form on every CPU: AVX-512 ones run it too; at the few rows
+// it is used for, a draft step, it is memory-bound).
+enum class Layout { kOutIn, kInOut, kPanels, kOutInBf16 };
 
-// y [rows, out] = x [rows, in] times w in `layout`: the shapes checked, then `out` cut into
-// tasks run on XLA's intra-op pool.
-template <Layout layout>
-ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w,
+// y [rows, out] = x [rows, in] times w in `layout` (of element type WT): the shapes checked,
+// then `out` cut into tasks run on XLA's intra-op pool.
+template <Layout layout, ffi::DataType WT>
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<WT>& w,
                ffi::ResultBuffer<ffi::F32>& y) {
 #if EAGLE3_X86
   const auto x_dims = x.dimensions();
   const auto w_dims = w.dimensions();
   const bool panels = layout == Layout::kPanels;
+  const bool out_in = layout == Layout::kOutIn || layout == Layout::kOutInBf16;
   if (x_dims.size() < 1 || (panels ? w_dims.size() != 3 || w_dims[2] != kPanel
                                    : w_dims.size() != 2))
     return ffi::Error::InvalidArgument(
         panels ? "panel_matmul: w must be [P, in, 16] and x [..., in]"
                : "rows_matmul: w must be 2-D and x [..., in]");
-  const int64_t in = layout == Layout::kOutIn || panels ? w_dims[1] : w_dims[0];
-  const int64_t out = panels ? w_dims[0] * kPanel
-                             : (layout == Layout::kOutIn ? w_dims[0] : w_dims[1]);
+  const int64_t in = out_in || panels ? w_dims[1] : w_dims[0];
+  const int64_t out = panels ? w_dims[0] * kPanel : (out_in ? w_dims[0] : w_dims[1]);
   if (x_dims[x_dims.size() - 1] != in)
     return ffi::Error::InvalidArgument("rows_matmul: x's last axis must equal w's `in`");
   const int64_t rows = x.element_count() / (in > 0 ? in : 1);
@@ -522,9 +523,18 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi:
     return ffi::Error::Success();
   }
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
   float* yp = y->typed_data();
   const int64_t threads = eagle3::ThreadCount(pool);
+  if constexpr (layout == Layout::kOutInBf16) {
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
+    const int64_t chunk = ChunkSize(out, threads, 12);
+    eagle3::ParallelFor(pool, (out + chunk - 1) / chunk, [&](int64_t c) {
+      const int64_t begin = c * chunk;
+      OutRange256Bf16(xp, rows, wp, in, yp, out, begin, begin + chunk < out ? begin + chunk : out);
+    });
+    return ffi::Error::Success();
+  }
+  const float* wp = reinterpret_cast<const float*>(w.untyped_data());
   if (panels) {
     // 1-4 tasks per thread of at least 8 panels, their sizes within one panel of each other
     // (a 36-panel matrix on 2 threads: 4 tasks of 9, not 8 + 8 + 8 + 8 + 4, whose odd task
@@ -554,62 +564,29 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi:
 template <Layout layout>
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::ResultBuffer<ffi::F32> y) {
-  return Run<layout>(pool, x, w, y);
+  return Run<layout, ffi::DataType::F32>(pool, x, w, y);
 }
 
-// y [rows, out] = x [rows, in] (float32) times w [out, in] in bfloat16: the AVX2 form on every
-// CPU (AVX-512 ones run it too; at the few rows it is used for, it is memory-bound).
-ffi::Error RowsBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
-                        ffi::ResultBuffer<ffi::F32> y) {
-#if EAGLE3_X86
-  const auto x_dims = x.dimensions();
-  const auto w_dims = w.dimensions();
-  if (x_dims.size() < 1 || w_dims.size() != 2)
-    return ffi::Error::InvalidArgument("rows_matmul (bfloat16): w must be 2-D and x [..., in]");
-  const int64_t out = w_dims[0], in = w_dims[1];
-  if (x_dims[x_dims.size() - 1] != in)
-    return ffi::Error::InvalidArgument("rows_matmul: x's last axis must equal w's `in`");
-  const int64_t rows = x.element_count() / (in > 0 ? in : 1);
-  if (rows == 0 || out == 0) return ffi::Error::Success();
-  if (in == 0) {
-    std::memset(y->typed_data(), 0, sizeof(float) * rows * out);
-    return ffi::Error::Success();
-  }
-  const float* xp = x.typed_data();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
-  float* yp = y->typed_data();
-  const int64_t chunk = ChunkSize(out, eagle3::ThreadCount(pool), 12);
-  eagle3::ParallelFor(pool, (out + chunk - 1) / chunk, [&](int64_t c) {
-    const int64_t begin = c * chunk;
-    OutRange256Bf16(xp, rows, wp, in, yp, out, begin, begin + chunk < out ? begin + chunk : out);
-  });
-  return ffi::Error::Success();
-#else
-  return ffi::Error::Internal("rows_matmul: built for a CPU other than x86-64");
-#endif
+ffi::Error MatmulBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  return Run<Layout::kOutInBf16, ffi::DataType::BF16>(pool, x, w, y);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Eagle3RowsMatmulBf16, RowsBf16Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-// One binding for the three layouts: (thread pool, x, w) -> y, all float32.
-#define EAGLE3_MATMUL_HANDLER(symbol, layout)                                            \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, MatmulImpl<layout>,                              \
+// One binding for the four forms: (thread pool, x, w) -> y, x and y float32, w of `wtype`.
+#define EAGLE3_MATMUL_HANDLER(symbol, impl, wtype)                                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl,                                            \
                                 ffi::Ffi::Bind()                                         \
                                     .Ctx<ffi::ThreadPool>()                              \
                                     .Arg<ffi::Buffer<ffi::F32>>()                        \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                        \
+                                    .Arg<ffi::Buffer<wtype>>()                           \
                                     .Ret<ffi::Buffer<ffi::F32>>())
 
-EAGLE3_MATMUL_HANDLER(Eagle3RowsMatmul, Layout::kOutIn);
-EAGLE3_MATMUL_HANDLER(Eagle3RowsMatmulInOut, Layout::kInOut);
-EAGLE3_MATMUL_HANDLER(Eagle3PanelMatmul, Layout::kPanels);
+EAGLE3_MATMUL_HANDLER(Eagle3RowsMatmul, MatmulImpl<Layout::kOutIn>, ffi::F32);
+EAGLE3_MATMUL_HANDLER(Eagle3RowsMatmulInOut, MatmulImpl<Layout::kInOut>, ffi::F32);
+EAGLE3_MATMUL_HANDLER(Eagle3PanelMatmul, MatmulImpl<Layout::kPanels>, ffi::F32);
+EAGLE3_MATMUL_HANDLER(Eagle3RowsMatmulBf16, MatmulBf16Impl, ffi::BF16);
 
 // 1 when the [in, out] form beats the XLA dot on this CPU, so that it is the default there
 // (the Python side's "matmul_in_out" family): with AVX-512. On a 2-core AMD EPYC with AVX2
