@@ -602,3 +602,103 @@ def test_sampling_after_a_fallback_is_lossless(tiny_vocab_models):
     assert np.asarray(out.plain_steps).sum() > samples // 4  # the plain step made many t3
     exact = _exact_joint3(params, cfg, prompt, sampling)
     assert _chi_square_pvalue(np.asarray(out.tokens), exact) > 1e-3
+
+
+def _target(cfg, params):
+    """What the decoders read of a loaded target: config, weights, and the tokenizer's ids."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(cfg=cfg, params=params,
+                           tokenizer=SimpleNamespace(eos_token_ids=(), pad_token_id=0))
+
+
+@pytest.mark.parametrize("gives_up", [False, True], ids=["drafting", "after a fallback"])
+def test_a_later_turn_starts_from_the_earlier_turns_caches(models, gives_up):
+    """A chat's next prompt starts with the last prompt and (most of) its answer. Decoded from
+    the caches the last call kept, plain and EAGLE decoding give exactly plain decoding's tokens
+    from scratch, and EAGLE's draft sees what it sees from scratch (the same rounds and
+    acceptance). The prefills skip the shared tokens: plain all of them, EAGLE one fewer (the
+    draft entry before the new tokens pairs a tap with the next token, so it is redone), and
+    after a fallback gave up drafting only what the draft had seen. The prompts diverge inside
+    the answer, so the caches hold stale tokens past the shared ones."""
+    from eagle3_jax.decoding.decoders import EagleDecoder, PlainDecoder
+    from eagle3_jax.decoding.driver import GenerationError
+
+    cfg, params, head = models
+    target = _target(cfg, params)
+    fallback = (lambda width, batch: eagle_mod.Fallback(50.0, probe_rounds=4)) if gives_up \
+        else None
+    plain = PlainDecoder(target, SamplingParams(), 20, 0)
+    eagle = EagleDecoder(target, SamplingParams(), 20, 0, head=head, tree=TREES["wide"],
+                         fallback=fallback)
+    rng = np.random.default_rng(1)
+    first = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (13, 30)]
+    turn1 = {d.name: d.generate_batch(first, keep=True) for d in (plain, eagle)}
+    assert [g.token_ids for g in turn1["eagle"]] == [g.token_ids for g in turn1["vanilla"]]
+    kept = 17  # answer tokens the next prompt keeps; then it goes its own way
+    second = [p + g.token_ids[:kept] + rng.integers(1, cfg.vocab_size, 7).tolist()
+              for p, g in zip(first, turn1["vanilla"])]
+    want = plain.generate_batch(second)
+    fresh = eagle.generate_batch(second)
+    for d in (plain, eagle):
+        got = d.generate_batch(second, prefixes=[g.prefix for g in turn1[d.name]])
+        assert [g.token_ids for g in got] == [g.token_ids for g in want], d.name
+        for p, g1, g2, g0 in zip(first, turn1[d.name], got, fresh):
+            shared = len(p) + kept
+            if d is plain:
+                assert g2.reused == shared
+                continue
+            assert (g2.rounds, g2.accept_hist, g2.plain_steps) == \
+                (g0.rounds, g0.accept_hist, g0.plain_steps)
+            if not gives_up:
+                assert g2.reused == shared - 1
+            else:  # 4 rounds drafted before it gave up, then plain steps the draft never saw
+                assert g1.plain_steps > 0
+                assert len(p) + 4 <= g2.reused == len(g1.prefix.token_ids) - 1 < shared - 1
+    # Rows whose prefix is another decoder's, or absent, start afresh; the count must match.
+    mixed = eagle.generate_batch(second, prefixes=[turn1["vanilla"][0].prefix, None])
+    assert [g.token_ids for g in mixed] == [g.token_ids for g in want]
+    assert [g.reused for g in mixed] == [0, 0]
+    with pytest.raises(GenerationError, match="one \\(or None\\) per prompt"):
+        plain.generate_batch(second, prefixes=[None])
+
+
+def test_eagle_prefill_after_a_prefix_matches_a_fresh_prefill(models):
+    """EAGLE's prefill from the caches an earlier prefill left (each row shares ``common``
+    leading tokens with it, one row all of them) against one from scratch: the first token's
+    draft state (root feature and log-probs) and both caches over the prompt agree to float32
+    round-off. Only :meth:`EagleDecoding.reuse_start`'s tokens are reused: the draft entry
+    before the first new token pairs a tap with that token, so it must be redone."""
+    from eagle3_jax.decoding.eagle import eagle_decoding
+
+    cfg, params, head = models
+    head = head.serving()
+    rng = np.random.default_rng(4)
+    lengths1, common = [20, 26], [12, 26]
+    first = rng.integers(1, cfg.vocab_size, (2, 32))
+    second = rng.integers(1, cfg.vocab_size, (2, 48))
+    for i, n in enumerate(common):
+        second[i, :n] = first[i, :n]
+    lengths2 = np.array([30, 33])
+    key = jax.random.key(0)
+    spec1, tok1, len1 = eagle_decoding(cfg, head, first, np.array(lengths1), max_new_tokens=8,
+                                       tree=TREES["wide"])
+    caches = spec1.reusable(spec1.prefill((params, head), tok1, len1, key))
+    spec2, tok2, len2 = eagle_decoding(cfg, head, second, lengths2, max_new_tokens=8,
+                                       tree=TREES["wide"])
+    starts = [spec2.reuse_start(n, int(m)) for n, m in zip(common, lengths2)]
+    assert starts == [11, 25]
+    prefix = driver.Prefix(caches, jnp.asarray(starts, jnp.int32))
+    got = jax.jit(spec2.prefill)((params, head), tok2, len2, key, prefix=prefix)
+    want = spec2.prefill((params, head), tok2, len2, key)
+
+    def close(a, b):  # float32 round-off follows the size of the terms summed into an entry
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
+
+    close(got.root_logp, want.root_logp)
+    close(got.root_h, want.root_h)
+    np.testing.assert_array_equal(got.root, want.root)
+    for i, n in enumerate(lengths2):
+        close(got.draft_k[i, ..., :n], want.draft_k[i, ..., :n])
+        close(got.draft_v[i, :, :n], want.draft_v[i, :, :n])
+        close(got.cache.v[-1][i, :, :n], want.cache.v[-1][i, :, :n])

@@ -337,6 +337,45 @@ def test_chunked_prefill_matches_one_forward(params):
     assert np.asarray(chunked.cache.v[0][0, :, 32:48]).any()
 
 
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_prefill_after_a_prefix_matches_a_fresh_prefill(params, chunk):
+    """A cache that holds each row's first ``start`` tokens (an earlier, shorter prefill, grown
+    to the new size as the decoders grow an earlier turn's cache) and a prefill of the rest: the
+    same logits, final hidden state, cache below each row's length and taps from ``start`` on
+    as a prefill from scratch, to float32 round-off; the taps before ``start`` are not
+    computed (zeros). Starts differ per row, one at the row's last token."""
+    from eagle3_jax.model.target import prefill
+
+    lengths = np.array([37, 6, 21, 9], np.int32)
+    starts = np.array([20, 5, 3, 0], np.int32)
+    tokens = np.array(jax.random.randint(jax.random.key(5), (4, 64), 1, CFG.vocab_size))
+    tokens[np.arange(64)[None, :] >= lengths[:, None]] = 0
+    taps = (0, 1)
+    fresh = prefill(params, CFG, jnp.asarray(tokens), jnp.asarray(lengths), 96, tap_layers=taps,
+                    chunk=None)
+    earlier = prefill(params, CFG, jnp.asarray(tokens[:, :32]), jnp.asarray(starts), 48)
+    prefix = earlier.cache.resized(96)
+    assert prefix.max_len == 96 and earlier.cache.resized(40).max_len == 40
+    out = jax.jit(lambda t, n, c: prefill(params, CFG, t, n, 96, tap_layers=taps, chunk=chunk,
+                                          prefix=c))(
+        jnp.asarray(tokens), jnp.asarray(lengths), prefix)
+    close = dict(rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out.logits, fresh.logits, **close)
+    np.testing.assert_allclose(out.hidden, fresh.hidden, **close)
+    np.testing.assert_array_equal(out.cache.end, lengths)
+    # The taps are residual streams (entries up to ~20 here); an entry's round-off follows the
+    # size of the terms summed into it, not its own (possibly cancelled) size.
+    taps_close = dict(rtol=1e-5, atol=1e-5 * float(np.abs(fresh.taps).max()))
+    for i, (n, s) in enumerate(zip(lengths, starts)):
+        np.testing.assert_allclose(out.taps[i, s:n], fresh.taps[i, s:n], **taps_close)
+        assert not np.asarray(out.taps[i, :s]).any()
+        for k1, kc, v1, vc in zip(fresh.cache.k, out.cache.k, fresh.cache.v, out.cache.v):
+            np.testing.assert_allclose(kc[i, ..., :n], k1[i, ..., :n], **close)
+            np.testing.assert_allclose(vc[i, :, :n], v1[i, :, :n], **close)
+    with pytest.raises(ValueError, match="slots"):
+        prefill(params, CFG, jnp.asarray(tokens), jnp.asarray(lengths), 96, prefix=earlier.cache)
+
+
 def test_greedy_after_a_chunked_prefill_matches_the_reference(params, monkeypatch):
     """Decoding as the decoders run it, with the prefill policy set to chunks of 16 (on CPU
     with the kernels it picks ``PREFILL_CHUNK``; this model is too small for them), equals the

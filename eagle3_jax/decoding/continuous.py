@@ -126,13 +126,8 @@ class ContinuousDecoder:
 
     def _grow(self, state: DecodeState, max_len: int) -> DecodeState:
         """``state`` with its cache padded to ``max_len`` slots (the new slots hold nothing)."""
-        extra = max_len - state.cache.max_len
-        pad = lambda x, axis: jnp.pad(x, [(0, extra if a == axis else 0)  # noqa: E731
-                                          for a in range(x.ndim)])
         self.spec = dataclasses.replace(self.spec, max_len=max_len)
-        cache = KVCache(k=tuple(pad(k, 3) for k in state.cache.k),  # [B, K, H, S]
-                        v=tuple(pad(v, 2) for v in state.cache.v),  # [B, K, S, H]
-                        end=state.cache.end)
+        cache = state.cache.resized(max_len)
         return dataclasses.replace(state, cache=cache)
 
     def _empty_state(self, key: jax.Array) -> DecodeState:

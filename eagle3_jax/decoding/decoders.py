@@ -9,6 +9,11 @@ e.g. the two of ``--compare``), and draws a fresh key per call from its seed.
   optionally a fallback that gives up drafting where it does not pay
   (:class:`eagle3_jax.decoding.eagle.Fallback`).
 
+A multi-turn chat asks each turn with the earlier turns as history, so turn k's prompt starts
+with turn k - 1's prompt and answer. ``generate_batch(..., keep=True)`` leaves each row's KV
+caches in its :class:`Generation` (a :class:`CachedPrefix`); given back as a later call's
+``prefixes``, the prefill runs only the tokens after the longest common prefix.
+
 ``target`` is anything with ``cfg``, ``params`` and ``tokenizer`` (``eos_token_ids``,
 ``pad_token_id``), e.g. :class:`eagle3_jax.checkpoints.LoadedTarget`.
 """
@@ -20,6 +25,8 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from eagle3_jax.decoding import driver
 from eagle3_jax.decoding.acceptance import mean_accept_length
@@ -29,6 +36,24 @@ from eagle3_jax.decoding.generate import plain_decoding
 from eagle3_jax.decoding.sampling import SamplingParams
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.draft.params import DraftHead
+
+
+@dataclasses.dataclass
+class CachedPrefix:
+    """One row's KV caches after a call: ``caches`` (the decoding's ``reusable`` state, batch 1)
+    hold the KV of ``token_ids`` (the prompt and the answer, as far as the caches are known to
+    hold them), for a later prompt of ``decoder`` that starts with some of them."""
+
+    decoder: str
+    token_ids: list[int]
+    caches: Any
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
 
 
 @dataclasses.dataclass
@@ -43,6 +68,8 @@ class Generation:
     rounds: int | None = None
     accept_hist: list[int] | None = None
     plain_steps: int = 0
+    prefix: CachedPrefix | None = None  # with generate_batch(..., keep=True)
+    reused: int = 0  # prompt tokens taken from a prefix instead of run
 
     def eagle_fields(self) -> dict:
         if self.rounds is None:
@@ -102,19 +129,70 @@ class PlainDecoder:
                                     eos_token_ids=self.target.tokenizer.eos_token_ids)
         return spec, self.target.params
 
-    def generate_batch(self, prompts: Sequence[list[int]]) -> list[Generation]:
-        """Every prompt decoded together in one jitted call (padded to a bucketed batch)."""
+    def generate_batch(self, prompts: Sequence[list[int]],
+                       prefixes: Sequence[CachedPrefix | None] | None = None,
+                       keep: bool = False) -> list[Generation]:
+        """Every prompt decoded together in one jitted call (padded to a bucketed batch).
+
+        ``prefixes[i]``: an earlier generation's caches (``keep=True``), whose leading tokens
+        prompt i's prefill then skips (rows whose prefix is None, of another decoder, or of
+        another cache size than the first given start afresh). ``keep``: each generation
+        carries its own :class:`CachedPrefix`.
+        """
         batch = self._pad(prompts, pad_batch=True)
         spec, params = self._spec(batch)
         shape = batch.tokens.shape
-        # The params' tree structure carries the head's config (a static field).
-        run = self.compile_cache.get(
-            (spec, shape, jax.tree.structure(params)), f"{self.name} generate", shape,
-            lambda: driver.compile_run(spec, params, batch.tokens, batch.lengths))
         start = time.perf_counter()
-        out = jax.device_get(run(params, batch.tokens, batch.lengths, self._next_key()))
-        seconds = time.perf_counter() - start
-        return [self._generation(out, i, seconds) for i in range(batch.num_prompts)]
+        prefix, reused = self._prefix(spec, batch, prompts, prefixes or [None] * len(prompts))
+        assembled = time.perf_counter() - start
+        # The params' tree structure carries the head's config (a static field).
+        key = (spec, shape, jax.tree.structure(params), keep, jax.tree.structure(prefix),
+               tuple(a.shape for a in jax.tree.leaves(prefix)))
+        run = self.compile_cache.get(
+            key, f"{self.name} generate", shape,
+            lambda: driver.compile_run(spec, params, batch.tokens, batch.lengths, prefix,
+                                       keep=keep))
+        start = time.perf_counter()
+        args = (params, batch.tokens, batch.lengths, self._next_key())
+        out = run(*args) if prefix is None else run(*args, prefix)
+        out, caches = out if keep else (out, None)
+        out = jax.device_get(out)
+        seconds = time.perf_counter() - start + assembled
+        gens = [dataclasses.replace(self._generation(out, i, seconds), reused=reused[i])
+                for i in range(batch.num_prompts)]
+        if keep:
+            slots = jax.device_get(spec.reusable_slots(caches))
+            for i, (gen, prompt) in enumerate(zip(gens, prompts)):
+                held = (list(prompt) + gen.token_ids)[: int(slots[i])]
+                gen.prefix = CachedPrefix(self.name, held,
+                                          jax.tree.map(lambda a, i=i: a[i:i + 1], caches))
+        return gens
+
+    def _prefix(self, spec, batch: PaddedPrompts, prompts: Sequence[list[int]],
+                prefixes: Sequence[CachedPrefix | None]) -> tuple[driver.Prefix | None, list]:
+        """(the driver's Prefix or None when no row reuses anything, tokens reused per row)."""
+        if len(prefixes) != len(prompts):
+            raise driver.GenerationError(f"{len(prefixes)} prefixes for {len(prompts)} prompts; "
+                                         "give one (or None) per prompt")
+        given = [p for p in prefixes if p is not None and p.decoder == self.name]
+        if not given:
+            return None, [0] * len(prompts)
+        like = given[0].caches
+        shapes = [a.shape for a in jax.tree.leaves(like)]
+        starts, rows = [], []
+        for i in range(batch.tokens.shape[0]):
+            p = prefixes[i] if i < len(prompts) else None
+            fits = (p is not None and p.decoder == self.name
+                    and [a.shape for a in jax.tree.leaves(p.caches)] == shapes)
+            n = spec.reuse_start(common_prefix(p.token_ids, prompts[i]),
+                                 len(prompts[i])) if fits else 0
+            starts.append(n)
+            rows.append(p.caches if n else jax.tree.map(jnp.zeros_like, like))
+        if not any(starts):
+            return None, [0] * len(prompts)
+        caches = rows[0] if len(rows) == 1 else jax.tree.map(
+            lambda *xs: jnp.concatenate(xs), *rows)
+        return driver.Prefix(caches, jnp.asarray(starts, jnp.int32)), starts[:len(prompts)]
 
     def _generation(self, out, i: int, seconds: float) -> Generation:
         return Generation(out.tokens[i, : out.num_generated[i]].tolist(), bool(out.hit_eos[i]),

@@ -134,16 +134,31 @@ def phases(decoding) -> tuple[tuple[Callable, Callable | None], ...]:
     return getattr(decoding, "phases", None) or ((decoding.step, None),)
 
 
-def _loop(decoding, params, prompt_tokens, prompt_lengths, key):
-    state = decoding.prefill(params, prompt_tokens, prompt_lengths, key)
+@struct.dataclass
+class Prefix:
+    """What an earlier call left for the next one to reuse: ``caches``, a decoding's
+    ``reusable(state)`` (its KV caches, any number of slots), of which each row's first
+    ``start`` [B] tokens are the new prompt's first tokens; the prefill runs only the rest."""
+
+    caches: Any
+    start: jax.Array
+
+
+def _loop(decoding, params, prompt_tokens, prompt_lengths, key, prefix=None, keep=False):
+    if prefix is None:
+        state = decoding.prefill(params, prompt_tokens, prompt_lengths, key)
+    else:
+        state = decoding.prefill(params, prompt_tokens, prompt_lengths, key, prefix=prefix)
     for step, keeps in phases(decoding):
         def live(s, keeps=keeps):
             return ~jnp.all(s.out.done) & (True if keeps is None else keeps(s))
         state = jax.lax.while_loop(live, functools.partial(step, params), state)
+    if keep:
+        return decoding.output(state), decoding.reusable(state)
     return decoding.output(state)
 
 
-_loop_jit = jax.jit(_loop, static_argnames=("decoding",))
+_loop_jit = jax.jit(_loop, static_argnames=("decoding", "keep"))
 _prefill_jit = jax.jit(lambda decoding, *args: decoding.prefill(*args),
                        static_argnames=("decoding",))
 _step_jit = jax.jit(lambda decoding, phase, params, state:
@@ -174,11 +189,18 @@ def run(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths: jax.Arr
     return _loop_jit(decoding, params, prompt_tokens, prompt_lengths, key)
 
 
-def compile_run(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths: jax.Array):
+def compile_run(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
+                prefix: Prefix | None = None, keep: bool = False):
     """:func:`run` compiled ahead of time for these shapes: ``run(params, tokens, lengths,
-    key)`` for arrays of the same shapes (any contents)."""
-    return _loop_jit.lower(decoding, params, prompt_tokens, prompt_lengths,
-                           jax.random.PRNGKey(0)).compile()
+    key)`` for arrays of the same shapes (any contents).
+
+    With a ``prefix`` (a :class:`Prefix` of these shapes), ``run(params, tokens, lengths, key,
+    prefix)`` starts from it. ``keep``: ``run`` returns ``(output, reusable)``, where
+    ``reusable`` (``decoding.reusable(final state)``) can make the next call's :class:`Prefix`.
+    """
+    args = (params, prompt_tokens, prompt_lengths, jax.random.PRNGKey(0))
+    args += () if prefix is None else (prefix,)
+    return _loop_jit.lower(decoding, *args, keep=keep).compile()
 
 
 def stream(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths: jax.Array,

@@ -49,6 +49,7 @@ from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache, fuse_ta
 from eagle3_jax.draft.params import DraftHead
 from eagle3_jax.kernels.matmul import weight_rows
 from eagle3_jax.model.config import TargetConfig
+from eagle3_jax.model.layers import resize_kv
 from eagle3_jax.model.params import Params
 from eagle3_jax.model.target import KVCache, causal_mask, prefill
 
@@ -137,24 +138,48 @@ def _draft_extend(head: DraftHead, embed, taps, next_tokens, count, draft_k, dra
     return h[:, 0], jax.nn.log_softmax(logits[:, 0]), draft_k, draft_v
 
 
+@struct.dataclass
+class EagleCaches:
+    """What an EAGLE call leaves for a later one (:meth:`EagleDecoding.reusable`): the target's
+    cache and the draft's, whose entries [0, draft_end) [B] are up to date (entry s pairs the
+    tap f_s with x_{s+1}; the draft stops moving once a fallback gives up drafting)."""
+
+    cache: KVCache
+    draft_k: jax.Array  # [B, K, H, S']
+    draft_v: jax.Array  # [B, K, S', H]
+    draft_end: jax.Array  # [B]
+
+
 def _prefill(target_params, head: DraftHead, prompt_tokens, prompt_lengths, key, *, cfg,
-             tree_cfg: TreeConfig, sampling, eos_token_ids, max_new_tokens, max_len):
+             tree_cfg: TreeConfig, sampling, eos_token_ids, max_new_tokens, max_len,
+             prefix: driver.Prefix | None = None):
     b, p = prompt_tokens.shape
     dcfg = head.cfg
+    draft_len = max_len + tree_cfg.draft_slots
+    if prefix is None:
+        start = jnp.zeros((b,), jnp.int32)
+        cache, (draft_k, draft_v) = None, empty_draft_cache(dcfg, b, draft_len)
+    else:  # the first `start` prompt tokens are in both caches (EagleDecoding.reuse_start)
+        start = prefix.start.astype(jnp.int32)
+        cache = prefix.caches.cache.resized(max_len).replace(end=start)
+        draft_k, draft_v = resize_kv(prefix.caches.draft_k, prefix.caches.draft_v, draft_len)
     out = prefill(target_params, cfg, prompt_tokens, prompt_lengths, max_len,
-                  tap_layers=dcfg.tap_layers)
+                  tap_layers=dcfg.tap_layers, prefix=cache)
     first = sample(jax.random.fold_in(key, 0), out.logits[:, 0], sampling)
     cache = out.cache
     last = jnp.maximum(prompt_lengths - 1, 0)[:, None]
     # Draft prefill: entry s pairs the tap f_s with x_{s+1}; the last real entry pairs with the
-    # token just sampled.
+    # token just sampled. Entries from `start` on are new: index j below is entry start + j.
     shifted = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
     shifted = jnp.where(jnp.arange(p)[None] == last, first[:, None], shifted)
-    draft_len = max_len + tree_cfg.draft_slots
-    empty_k, empty_v = empty_draft_cache(dcfg, b, draft_len)
+    taps = out.taps
+    if prefix is not None:
+        entries = jnp.minimum(start[:, None] + jnp.arange(p)[None], p - 1)  # [B, P]
+        shifted = jnp.take_along_axis(shifted, entries, axis=1)
+        taps = jnp.take_along_axis(taps, entries[:, :, None], axis=1)
     root_h, root_logp, draft_k, draft_v = _draft_extend(
-        head, target_params["embed"], out.taps, shifted, prompt_lengths, empty_k, empty_v,
-        jnp.zeros((b,), jnp.int32))
+        head, target_params["embed"], taps, shifted, prompt_lengths - start, draft_k, draft_v,
+        start)
     width = tree_cfg.depth + 1
     out = append_tokens(Emitted.empty(b, max_new_tokens), first[:, None],
                         jnp.ones((b,), jnp.int32), prompt_lengths > 0, eos_token_ids)
@@ -253,12 +278,15 @@ class EagleDecoding:
     proposer: Callable = draft_proposer
     fallback: Fallback | None = None
 
-    def prefill(self, params, prompt_tokens, prompt_lengths, key) -> EagleState:
+    def prefill(self, params, prompt_tokens, prompt_lengths, key,
+                prefix: driver.Prefix | None = None) -> EagleState:
+        """The target's prefill and the draft's, after the first ``prefix.start`` prompt
+        tokens of each row when an earlier call's caches (:meth:`reusable`) hold them."""
         target_params, head = params
         return _prefill(target_params, head, prompt_tokens, prompt_lengths, key, cfg=self.cfg,
                         tree_cfg=self.tree, sampling=self.sampling,
                         eos_token_ids=self.eos_token_ids, max_new_tokens=self.max_new_tokens,
-                        max_len=self.max_len)
+                        max_len=self.max_len, prefix=prefix)
 
     def step(self, params, state: EagleState) -> EagleState:
         """One draft-verify-accept-commit round; with a fallback, then its check."""
@@ -288,6 +316,25 @@ class EagleDecoding:
         return EagleOutput(tokens=state.out.tokens, num_generated=state.out.num_generated,
                            hit_eos=state.out.hit_eos, rounds=state.rounds,
                            accept_hist=state.accept_hist, plain_steps=state.plain_steps)
+
+    def reusable(self, state: EagleState) -> EagleCaches:
+        """Both caches, for a later call's :class:`eagle3_jax.decoding.driver.Prefix`. Plain
+        steps after a fallback move the target's cache but not the draft's."""
+        return EagleCaches(state.cache, state.draft_k, state.draft_v,
+                           state.cache.end - state.plain_steps)
+
+    @staticmethod
+    def reusable_slots(caches: EagleCaches) -> jax.Array:
+        """[B] leading prompt tokens both caches can serve: the draft's entry s also holds
+        token s + 1, so one more than its entries."""
+        return jnp.minimum(caches.cache.end, caches.draft_end + 1)
+
+    @staticmethod
+    def reuse_start(common: int, prompt_len: int) -> int:
+        """Prompt tokens taken from a prefix that holds the first ``common`` of them: the draft
+        entry before the new ones pairs f_{s-1} with x_s, so one fewer than plain decoding
+        (the tap f_{s-1} is not kept, so entry s - 1 is redone), and never the last token."""
+        return max(min(common - 1, prompt_len - 1), 0)
 
 
 def eagle_cache_size(cfg: TargetConfig, prompt_width: int, max_new_tokens: int,

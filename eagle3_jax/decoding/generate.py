@@ -96,10 +96,15 @@ class PlainDecoding:
         return dataclasses.replace(state, last_token=token, out=out)
 
     def prefill(self, params: Params, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
-                key: jax.Array) -> DecodeState:
-        """Run all P (right-padded) prompt tokens at once and sample each row's first token."""
+                key: jax.Array, prefix: driver.Prefix | None = None) -> DecodeState:
+        """Run the (right-padded) prompt tokens, after the first ``prefix.start`` of each row
+        when an earlier call's cache (``prefix.caches``, :meth:`reusable`) holds them, and
+        sample each row's first token."""
         b = prompt_tokens.shape[0]
-        out = prefill(params, self.cfg, prompt_tokens, prompt_lengths, self.max_len)
+        cache = (None if prefix is None
+                 else prefix.caches.resized(self.max_len).replace(end=prefix.start))
+        out = prefill(params, self.cfg, prompt_tokens, prompt_lengths, self.max_len,
+                      prefix=cache)
         token = sample(jax.random.fold_in(key, 0), out.logits[:, 0], self.sampling)
         state = DecodeState(cache=out.cache, last_token=jnp.zeros((b,), jnp.int32),
                             step=jnp.zeros((), jnp.int32),
@@ -117,6 +122,22 @@ class PlainDecoding:
     def output(self, state: DecodeState) -> GenerateOutput:
         return GenerateOutput(tokens=state.out.tokens, num_generated=state.out.num_generated,
                               hit_eos=state.out.hit_eos, steps=state.step)
+
+    def reusable(self, state: DecodeState) -> KVCache:
+        """What a later call may start from (:class:`eagle3_jax.decoding.driver.Prefix`): the
+        cache, whose first ``end`` [B] slots hold the prompt and the tokens fed since."""
+        return state.cache
+
+    @staticmethod
+    def reusable_slots(caches: KVCache) -> jax.Array:
+        """[B] leading slots of :meth:`reusable`'s caches that hold known tokens."""
+        return caches.end
+
+    @staticmethod
+    def reuse_start(common: int, prompt_len: int) -> int:
+        """Prompt tokens taken from a prefix that holds the first ``common`` of them: all but
+        the last (which must run for the first token's logits)."""
+        return max(min(common, prompt_len - 1), 0)
 
 
 def cache_size(cfg: TargetConfig, prompt_width: int, max_new_tokens: int) -> int:

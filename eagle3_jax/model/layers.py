@@ -71,6 +71,16 @@ def empty_kv(batch: int, kv_heads: int, head_dim: int, slots: int,
             jnp.zeros((batch, kv_heads, slots, head_dim), dtype))
 
 
+def resize_kv(k: jax.Array, v: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
+    """A KV buffer (:func:`empty_kv` layouts) with ``slots`` slots: the first ones kept, new ones
+    empty (zeros) or the last ones cut."""
+    def fit(x, axis):
+        if x.shape[axis] >= slots:
+            return jax.lax.slice_in_dim(x, 0, slots, axis=axis)
+        return jnp.pad(x, [(0, slots - x.shape[axis] if a == axis else 0) for a in range(x.ndim)])
+    return fit(k, 3), fit(v, 2)
+
+
 def read_kv(k: jax.Array, v: jax.Array, rows: jax.Array, slots: jax.Array):
     """Keys and values at ``slots`` [B, T] of ``rows`` [B, 1], each as [B, T, K, H] blocks."""
     return k[rows, :, :, slots], v[rows, :, slots]

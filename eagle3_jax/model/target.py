@@ -32,8 +32,8 @@ from eagle3_jax.kernels.attention import uses_attention_kernel
 from eagle3_jax.kernels.library import kernels_in_use
 from eagle3_jax.kernels.matmul import panel_matmul, weight_rows
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.layers import (attention_with_cache, empty_kv, rms_norm, rope_cos_sin,
-                                     rope_inv_freq, write_kv)
+from eagle3_jax.model.layers import (attention_with_cache, empty_kv, resize_kv, rms_norm,
+                                     rope_cos_sin, rope_inv_freq, write_kv)
 from eagle3_jax.model.params import Params, is_serving, to_serving_layer
 
 
@@ -53,6 +53,13 @@ class KVCache:
                   for _ in range(cfg.num_layers)]
         k, v = (tuple(x) for x in zip(*layers))
         return cls(k, v, jnp.zeros((batch,), jnp.int32))
+
+    def resized(self, max_len: int) -> "KVCache":
+        """This cache with ``max_len`` slots: the first ones kept, new ones empty, or the last
+        ones cut (``end`` unchanged)."""
+        k, v = (tuple(x) for x in zip(*(resize_kv(k, v, max_len)
+                                        for k, v in zip(self.k, self.v))))
+        return dataclasses.replace(self, k=k, v=v)
 
 
 @struct.dataclass
@@ -268,56 +275,67 @@ def _finish(params: Params, cfg: TargetConfig, h: jax.Array, taps: list, logit_p
 
 def prefill(params: Params, cfg: TargetConfig, tokens: jax.Array, lengths: jax.Array,
             max_len: int, *, tap_layers: Sequence[int] = (),
-            chunk: int | None | str = "auto") -> ForwardOutput:
-    """Run right-padded prompts tokens [B, P] (real lengths [B]) into a fresh cache of
-    ``max_len`` slots: the decoders' first step.
+            chunk: int | None | str = "auto", prefix: KVCache | None = None) -> ForwardOutput:
+    """Run right-padded prompts tokens [B, P] (real lengths [B]) into a cache of ``max_len``
+    slots: the decoders' first step.
 
     Returns logits [B, 1, V] and the final hidden state [B, 1, D] at each row's last real token,
     taps [B, P, len(tap_layers) * D], and the cache with ``end = lengths``. Pad tokens were
     written at slots [length, P); ending the cache there lets decoding overwrite them, and the
     causal mask (slot <= end) never shows them to anyone.
 
-    ``chunk``: None runs all P tokens as one forward. An int C (dividing P) runs them as
-    forwards of C tokens appended to the cache in a ``lax.while_loop`` that stops after the
-    chunk holding the longest row's last token: the bucket's padding past that chunk costs
-    nothing (its taps are zeros, its slots empty). The same values up to float32 round-off.
+    ``prefix``: a cache of ``max_len`` slots that already holds the first ``prefix.end`` [B]
+    tokens of each prompt (an earlier turn's, :meth:`KVCache.resized`; each row keeps at least
+    its last token to run). Only the rest run; their taps are written, the taps of the
+    tokens before ``prefix.end`` are zeros. None: a fresh cache.
+
+    ``chunk``: None runs the prompt as one forward. An int C (dividing P) runs it as forwards
+    of C tokens appended to the cache in a ``lax.while_loop`` that stops after the chunk
+    holding the longest row's last token: the bucket's padding past that chunk costs nothing
+    (its taps are zeros, its slots empty). The same values up to float32 round-off.
     "auto" (the default): :func:`prefill_chunk`.
     """
     b, p = tokens.shape
     if chunk == "auto":
         chunk = prefill_chunk(cfg, p)
-    cache = KVCache.zeros(cfg, b, max_len)
     last = jnp.maximum(lengths - 1, 0)[:, None]  # [B, 1]
-    if chunk is None or chunk >= p:
+    if prefix is None and (chunk is None or chunk >= p):
+        cache = KVCache.zeros(cfg, b, max_len)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None, :], (b, p))
         out = forward(params, cfg, tokens, positions, causal_mask(cache.end, p, max_len), cache,
                       tap_layers=tap_layers, logit_positions=last, cache_is_empty=True)
         return dataclasses.replace(out, cache=out.cache.replace(end=lengths.astype(jnp.int32)),
                                    hidden=jnp.take_along_axis(out.hidden, last[:, :, None], axis=1))
+    chunk = p if chunk is None else chunk
     if p % chunk:
         raise ValueError(f"prefill chunk {chunk} does not divide the prompt width {p}")
+    if prefix is None:
+        prefix = KVCache.zeros(cfg, b, max_len)
+    elif prefix.max_len != max_len:
+        raise ValueError(f"prefill prefix has {prefix.max_len} slots, not max_len {max_len}")
+    start = prefix.end.astype(jnp.int32)  # [B] tokens already in the cache
+    rows = jnp.arange(b)[:, None]
     taps0 = (jnp.zeros((b, p, len(tap_layers) * cfg.hidden_size), jnp.dtype(cfg.dtype))
              if tap_layers else None)
 
     def body(carry):
         c, cache, last_h, taps = carry
-        start = c * chunk
-        cache = cache.replace(end=jnp.full((b,), start, jnp.int32))
-        positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32)[None], (b, chunk))
-        out = forward(params, cfg, jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1),
-                      positions, causal_mask(cache.end, chunk, max_len), cache,
+        first = start + c * chunk  # [B]
+        slots = first[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None]  # [B, C]
+        out = forward(params, cfg, jnp.take_along_axis(tokens, jnp.minimum(slots, p - 1), axis=1),
+                      slots, causal_mask(first, chunk, max_len), cache.replace(end=first),
                       tap_layers=tap_layers, compute_logits=False)
-        at = last[:, 0] - start  # [B]: the row's last token within this chunk
+        at = last[:, 0] - first  # [B]: the row's last token within this chunk
         mine = (at >= 0) & (at < chunk)
         h = jnp.take_along_axis(out.hidden, jnp.clip(at, 0, chunk - 1)[:, None, None], axis=1)
         last_h = jnp.where(mine[:, None, None], h, last_h)
         if taps is not None:
-            taps = jax.lax.dynamic_update_slice_in_dim(taps, out.taps, start, axis=1)
+            taps = taps.at[rows, slots].set(out.taps, mode="drop")
         return c + 1, out.cache, last_h, taps
 
-    chunks = (jnp.max(lengths) + chunk - 1) // chunk
-    init = (jnp.zeros((), jnp.int32), cache, jnp.zeros((b, 1, cfg.hidden_size),
-                                                      jnp.dtype(cfg.dtype)), taps0)
+    chunks = jnp.max((lengths - start + chunk - 1) // chunk)
+    init = (jnp.zeros((), jnp.int32), prefix, jnp.zeros((b, 1, cfg.hidden_size),
+                                                       jnp.dtype(cfg.dtype)), taps0)
     _, cache, last_h, taps = jax.lax.while_loop(lambda carry: carry[0] < chunks, body, init)
     return ForwardOutput(logits=output_logits(params, cfg, last_h),
                          cache=cache.replace(end=lengths.astype(jnp.int32)), taps=taps,
