@@ -702,3 +702,29 @@ def test_eagle_prefill_after_a_prefix_matches_a_fresh_prefill(models):
         close(got.draft_k[i, ..., :n], want.draft_k[i, ..., :n])
         close(got.draft_v[i, :, :n], want.draft_v[i, :, :n])
         close(got.cache.v[-1][i, :, :n], want.cache.v[-1][i, :, :n])
+
+
+def test_a_streamed_turn_keeps_its_caches_for_the_next(models):
+    """The chat path streams: a reader that stops after a few steps (a stop string) still gets
+    the caches as far as they ran (``stream_prefix``), and the next turn streamed from them is
+    plain decoding's answer from scratch, with the shared tokens skipped."""
+    from eagle3_jax.decoding.decoders import EagleDecoder, PlainDecoder
+
+    cfg, params, head = models
+    target = _target(cfg, params)
+    plain = PlainDecoder(target, SamplingParams(), 20, 0)
+    eagle = EagleDecoder(target, SamplingParams(), 20, 0, head=head, tree=TREES["wide"])
+    first = np.random.default_rng(2).integers(1, cfg.vocab_size, 13).tolist()
+    for d in (plain, eagle):
+        seen = []
+        for i, tokens in enumerate(d.stream(first)):
+            seen += tokens
+            if i == 3:
+                break
+        held = d.stream_prefix().token_ids
+        assert held == (first + seen)[:len(held)] and len(held) >= len(first) + len(seen) - 1
+        second = first + seen + [5, 6, 7]
+        want = plain.generate_batch([second])[0].token_ids
+        assert [t for step in d.stream(second, d.stream_prefix()) for t in step] == want, d.name
+        shared = len(first) + len(seen) - 1  # the last token seen was never fed
+        assert d.stream_reused == [shared if d is plain else shared - 1]

@@ -4,7 +4,10 @@ For each task (MT-bench, HumanEval, GSM8K, Alpaca, CNN/DailyMail as ``sum``; the
 in ``eagle3_jax/bench/prompts``) the first ``--num-prompts`` prompts are decoded greedily at
 batch 1 with plain decoding and with EAGLE, the two interleaved per prompt (same
 implementation, same machine, compilation excluded). MT-bench has two turns: turn 2 is asked
-with turn 1 and its answer in context. Reported per task (reference §5, §7):
+with turn 1 and its answer in context; it re-runs that history in its prefill, as the EAGLE
+papers measure, or with ``--reuse-prefix`` starts from each decoder's own caches of turn 1
+(a chat server's prefix cache; ``prompt_tokens`` and ``reused_prompt_tokens_eagle`` count
+what the prefills skipped). Reported per task (reference §5, §7):
 
   * ``tau``: acceptance length, tokens per verification round (accepted drafts + 1);
   * ``accept_by_depth``: fraction of rounds accepting at least d draft tokens, d = 1..depth;
@@ -30,6 +33,7 @@ makes the numbers meaningful.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -57,15 +61,22 @@ def load_questions(task: str, num_prompts: int) -> list[list[str]]:
     return out
 
 
-def _timed(decoder, ids: list[int], warm: set, name: str, repeats: int):
-    """(Generation, median seconds) of ``repeats`` batch-1 runs; a new shape warms up first."""
+def _timed(decoder, ids: list[int], warm: set, name: str, repeats: int, prefix=None,
+           keep: bool = False):
+    """(Generation, median seconds) of ``repeats`` batch-1 runs; a new shape warms up first.
+    ``prefix``: the previous turn's caches (a :class:`CachedPrefix`) to start from; ``keep``:
+    the generation keeps its own."""
+    import jax
+
     from eagle3_jax.decoding import bucket
 
-    shape = (name, bucket(len(ids)))
+    shape = (name, bucket(len(ids)), keep,
+             None if prefix is None else tuple(a.shape for a in jax.tree.leaves(prefix.caches)))
+    call = functools.partial(decoder.generate_batch, [ids], [prefix], keep=keep)
     if shape not in warm:
-        decoder.generate_batch([ids])  # compiles (untimed) and runs once
+        call()  # compiles (untimed) and runs once
         warm.add(shape)
-    gens = [decoder.generate_batch([ids])[0] for _ in range(repeats)]
+    gens = [call()[0] for _ in range(repeats)]
     return gens[0], statistics.median(g.seconds for g in gens)
 
 
@@ -86,23 +97,31 @@ def _hf_generate(model, ids: list[int], max_new_tokens: int, eos: tuple[int, ...
 def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
              repeats: int = 1, warm: set | None = None,
              log: Callable[[str], None] = lambda s: None, hf_model=None,
-             max_new_tokens: int = 0) -> dict[str, Any]:
+             max_new_tokens: int = 0, reuse_prefix: bool = False) -> dict[str, Any]:
     """Decode every turn with both decoders (and HF transformers when ``hf_model`` is given),
-    interleaved; the task's row of the report."""
+    interleaved; the task's row of the report. ``reuse_prefix``: each decoder starts a turn
+    from its own caches of the turn before (the prefill runs only the new tokens)."""
     tok = target.tokenizer
     warm = set() if warm is None else warm
     speeds: dict[str, list[float]] = {"vanilla": [], "eagle": [], "hf": []}
-    tokens = rounds = turns = fell_back = 0
+    tokens = rounds = turns = fell_back = reused = prompt_tokens = 0
     hist = [0] * (depth + 2)
     # Greedy EAGLE must equal plain decoding; sampled answers differ by design (None).
     identical = True if decoders["vanilla"].sampling.temperature == 0 else None
     for conversation in conversations:
         history: list[dict[str, str]] = []
+        before = {"vanilla": None, "eagle": None}  # each decoder's caches of the turn before
         for user in conversation:
             history.append({"role": "user", "content": user})
             ids = tok.apply_chat_template(history, add_generation_prompt=True)
-            plain, t_plain = _timed(decoders["vanilla"], ids, warm, "vanilla", repeats)
-            spec, t_spec = _timed(decoders["eagle"], ids, warm, "eagle", repeats)
+            plain, t_plain = _timed(decoders["vanilla"], ids, warm, "vanilla", repeats,
+                                    before["vanilla"], reuse_prefix)
+            spec, t_spec = _timed(decoders["eagle"], ids, warm, "eagle", repeats,
+                                  before["eagle"], reuse_prefix)
+            if reuse_prefix:
+                before = {"vanilla": plain.prefix, "eagle": spec.prefix}
+                reused += spec.reused
+                prompt_tokens += len(ids)
             speeds["vanilla"].append(len(plain.token_ids) / max(t_plain, 1e-9))
             speeds["eagle"].append(len(spec.token_ids) / max(t_spec, 1e-9))
             if hf_model is not None:
@@ -118,7 +137,8 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
             turns += 1
             history.append({"role": "assistant",
                             "content": tok.decode(plain.token_ids, skip_special_tokens=True)})
-            log(f"  {len(ids)} prompt tokens: vanilla {speeds['vanilla'][-1]:.1f} tok/s, eagle "
+            log(f"  {len(ids)} prompt tokens{f' ({spec.reused} reused)' if reuse_prefix else ''}"
+                f": vanilla {speeds['vanilla'][-1]:.1f} tok/s, eagle "
                 f"{speeds['eagle'][-1]:.1f} tok/s, {spec.rounds} rounds")
     from eagle3_jax.decoding.acceptance import mean_accept_length
 
@@ -136,6 +156,8 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
         "speedup": eagle / max(vanilla, 1e-9),
         "identical": identical, "prompts": len(conversations), "turns": turns,
         "new_tokens": tokens, "rounds": rounds, "accept_hist": hist, "fell_back": fell_back,
+        **({"prompt_tokens": prompt_tokens, "reused_prompt_tokens_eagle": reused}
+           if reuse_prefix else {}),
     }
 
 
@@ -202,6 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fallback", action="store_true",
                    help="give up drafting where the measured acceptance does not pay (the "
                         "decode CLI's default with its auto tree)")
+    p.add_argument("--reuse-prefix", action="store_true",
+                   help="start each turn from the turn before's KV caches, as a chat server "
+                        "with a prefix cache does (both decoders; the prefill runs only the "
+                        "new tokens). Off: every turn re-runs its whole history, as the EAGLE "
+                        "papers measure")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and mode")
     p.add_argument("--hf", action="store_true",
                    help="also time HF transformers float32 greedy generate on the same prompts "
@@ -273,7 +300,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
     for task in tasks:
         log(f"[{task}: {len(questions[task])} prompts]")
         results[task] = run_task(questions[task], target, decoders, tree.depth, args.repeats,
-                                 warm, log, hf_model, args.max_new_tokens)
+                                 warm, log, hf_model, args.max_new_tokens, args.reuse_prefix)
     mean = {"tau": statistics.mean(r["tau"] for r in results.values()),
             "speedup": statistics.mean(r["speedup"] for r in results.values())}
     if hf_model is not None:
@@ -282,6 +309,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
               "tree": {"tree_top_k": tree.tree_top_k, "depth": tree.depth,
                        "total_tokens": tree.total_tokens},
               "total_tokens_auto": total_tokens == "auto", "fallback": args.fallback,
+              "reuse_prefix": args.reuse_prefix,
               "num_prompts": args.num_prompts,
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "batch_size": 1,
               "temperature": args.temperature, "seconds": round(time.perf_counter() - start, 1),

@@ -77,25 +77,32 @@ class PromptFormat:
 
 
 def decode_turns(conversations: list[list[str]], fmt: PromptFormat, batch_size: int,
-                 generate: Callable[[list[list[int]]], list[Any]],
+                 generate: Callable[[list[list[int]], list[Any], bool], list[Any]],
                  answer_text: Callable[[Any], str], emit: Callable) -> None:
     """Batches of conversations, turn by turn; turn k's prompt holds the earlier answers.
 
-    ``generate(prompts) -> results``; ``answer_text(result)`` is what enters the history;
-    ``emit(index, turn, prompt_ids, result, rows_in_batch)`` reports one turn.
+    ``generate(prompts, before, keep) -> results``: ``before[j]`` is prompt j's result of the
+    turn before (None on a first turn), whose kept caches a decoder may start from
+    (``Generation.prefix``); ``keep``: some row has a later turn, so keep this turn's caches.
+    ``answer_text(result)`` is what enters the history; ``emit(index, turn, prompt_ids, result,
+    rows_in_batch)`` reports one turn.
     """
     for first in range(0, len(conversations), batch_size):
         group = list(range(first, min(first + batch_size, len(conversations))))
         histories = {i: fmt.new_history() for i in group}
+        last: dict[int, Any] = {}
         for turn in range(max(len(conversations[i]) for i in group)):
             rows = [i for i in group if turn < len(conversations[i])]
             prompts = []
             for i in rows:
                 histories[i].append({"role": "user", "content": conversations[i][turn]})
                 prompts.append(fmt.prompt_ids(histories[i], f"prompt {i} (turn {turn})"))
-            for i, prompt, result in zip(rows, prompts, generate(prompts)):
+            keep = any(turn + 1 < len(conversations[i]) for i in rows)
+            results = generate(prompts, [last.get(i) for i in rows], keep)
+            for i, prompt, result in zip(rows, prompts, results):
                 histories[i].append({"role": "assistant", "content": answer_text(result)})
                 emit(i, turn, prompt, result, len(rows))
+                last[i] = result
 
 
 def check_raw(raw: bool, conversations: Sequence[Sequence[str]], system: str | None,

@@ -57,6 +57,7 @@ class Answers:
         return {"token_ids": ids, "text": text, "new_tokens": len(ids), "stop": stop,
                 "seconds": round(gen.seconds, 4),
                 "tokens_per_s": round(len(gen.token_ids) / max(gen.seconds, 1e-9), 2),
+                **({"reused_prompt_tokens": gen.reused} if gen.reused else {}),
                 **gen.eagle_fields()}
 
 
@@ -68,7 +69,10 @@ def run_json(conversations, fmt: PromptFormat, decoder, batch_size: int,
                   "batch_size": rows}
         print(json.dumps(record, ensure_ascii=False), flush=True)
 
-    decode_turns(conversations, fmt, batch_size, decoder.generate_batch, answers.text, emit)
+    def generate(prompts, before, keep):
+        return decoder.generate_batch(prompts, [g.prefix if g else None for g in before], keep=keep)
+
+    decode_turns(conversations, fmt, batch_size, generate, answers.text, emit)
 
 
 def run_compare(conversations, fmt: PromptFormat, decoders: dict, batch_size: int,
@@ -78,10 +82,11 @@ def run_compare(conversations, fmt: PromptFormat, decoders: dict, batch_size: in
     totals = {name: {"tokens": 0, "seconds": 0.0} for name in ("vanilla", "eagle")}
     rounds, turns, identical, hist, fell_back = 0, 0, 0, [], 0
 
-    def generate(prompts):
+    def generate(prompts, before, keep):
         pairs = {}
-        for name in ("vanilla", "eagle"):
-            gens = decoders[name].generate_batch(prompts)
+        for j, name in enumerate(("vanilla", "eagle")):  # each starts from its own caches
+            prefixes = [pair[j].prefix if pair else None for pair in before]
+            gens = decoders[name].generate_batch(prompts, prefixes, keep=keep)
             totals[name]["tokens"] += sum(len(g.token_ids) for g in gens)
             totals[name]["seconds"] += gens[0].seconds  # one batched call
             pairs[name] = gens
@@ -125,8 +130,10 @@ def run_compare(conversations, fmt: PromptFormat, decoders: dict, batch_size: in
         print(summary, flush=True)
 
 
-def stream_answer(decoder, prompt: list[int], answers: Answers, out: TextIO | None = None) -> str:
-    """Print one answer as it is generated (to ``out``, default stdout); log its timings;
+def stream_answer(decoder, prompt: list[int], answers: Answers, out: TextIO | None = None,
+                  prefix=None) -> str:
+    """Print one answer as it is generated (to ``out``, default stdout), from the turn
+    before's caches (``prefix``, ``decoder.stream_prefix()``) when given; log its timings;
     return its text."""
     out = out or sys.stdout
     text = answers.incremental()
@@ -135,7 +142,7 @@ def stream_answer(decoder, prompt: list[int], answers: Answers, out: TextIO | No
     # use only): the rate is measured from the second step on.
     first_at = second_at = None
     steps = tokens = round_tokens = 0
-    for step_tokens in decoder.stream(prompt):
+    for step_tokens in decoder.stream(prompt, prefix):
         steps += 1
         if steps == 1:
             first_at = time.perf_counter()
@@ -164,8 +171,10 @@ def stream_answer(decoder, prompt: list[int], answers: Answers, out: TextIO | No
         if plain:
             extra += (f"; then {plain} plain decode steps (drafting did not pay: it accepted "
                       f"too little for the cost of a round here)")
+    reused = (f", {decoder.stream_reused[0]} of {len(prompt)} prompt tokens from the turn before"
+              if decoder.stream_reused[0] else "")
     log(f"[{tokens} tokens in {end - start:.2f} s; first token after "
-        f"{(first_at or end) - start:.2f} s (prefill, compilation on first use); "
+        f"{(first_at or end) - start:.2f} s (prefill{reused}, compilation on first use); "
         f"decoding {rate:.1f} tokens/s{extra}]")
     return text.text
 
@@ -173,13 +182,14 @@ def stream_answer(decoder, prompt: list[int], answers: Answers, out: TextIO | No
 def run_stream(conversations, fmt: PromptFormat, decoder, answers: Answers) -> None:
     """Each conversation turn by turn, one prompt at a time, answers streamed."""
     for index, turns in enumerate(conversations):
-        history = fmt.new_history()
+        history, prefix = fmt.new_history(), None
         for turn, user in enumerate(turns):
             history.append({"role": "user", "content": user})
             prompt = fmt.prompt_ids(history, f"prompt {index} (turn {turn})")
             log(f"> {user}")
             history.append({"role": "assistant",
-                            "content": stream_answer(decoder, prompt, answers)})
+                            "content": stream_answer(decoder, prompt, answers, prefix=prefix)})
+            prefix = decoder.stream_prefix() if turn + 1 < len(turns) else None
 
 
 def run_chat(fmt: PromptFormat, decoder, answers: Answers,
@@ -187,7 +197,7 @@ def run_chat(fmt: PromptFormat, decoder, answers: Answers,
     """Interactive multi-turn chat: read a message, stream the answer, keep the history; an
     empty line is skipped, end of input (Ctrl-D) leaves."""
     read_line = read_line or sys.stdin.readline
-    history = fmt.new_history()
+    history, prefix = fmt.new_history(), None
     log("[chat: type a message and press Enter; Ctrl-D leaves]")
     turn = 0
     while True:
@@ -207,5 +217,7 @@ def run_chat(fmt: PromptFormat, decoder, answers: Answers,
             history.pop()
             log(f"error: {e}")
             continue
-        history.append({"role": "assistant", "content": stream_answer(decoder, prompt, answers)})
+        history.append({"role": "assistant",
+                        "content": stream_answer(decoder, prompt, answers, prefix=prefix)})
+        prefix = decoder.stream_prefix()  # the next turn starts from this one's caches
         turn += 1

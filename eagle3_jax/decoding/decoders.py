@@ -198,16 +198,31 @@ class PlainDecoder:
         return Generation(out.tokens[i, : out.num_generated[i]].tolist(), bool(out.hit_eos[i]),
                           seconds)
 
-    def stream(self, prompt: list[int]) -> Iterator[list[int]]:
-        """The tokens of each step (the prefill's first, then one per step or round)."""
+    def stream(self, prompt: list[int], prefix: CachedPrefix | None = None
+               ) -> Iterator[list[int]]:
+        """The tokens of each step (the prefill's first, then one per step or round), from an
+        earlier call's caches when ``prefix`` is given; afterwards (also when the caller
+        stopped early) :meth:`stream_prefix` keeps this answer's caches for the next turn."""
         batch = self._pad([prompt], pad_batch=False)
         spec, params = self._spec(batch)
+        start, self.stream_reused = self._prefix(spec, batch, [prompt], [prefix])
+        self._streamed = (spec, list(prompt))
         for rows in driver.stream(spec, params, batch.tokens, batch.lengths, self._next_key(),
-                                  on_step=self._on_stream_step):
+                                  on_step=self._on_stream_step, prefix=start):
             yield [int(t) for t in rows[0]]
 
     def _on_stream_step(self, state) -> None:
-        """What a decoder notes about each streamed step (nothing here)."""
+        """What a decoder notes about each streamed step: the state, the last one readable."""
+        self._stream_state = state
+
+    def stream_prefix(self) -> CachedPrefix:
+        """The caches of the last :meth:`stream` as far as it ran, for the next turn's
+        ``prefix``."""
+        (spec, prompt), state = self._streamed, self._stream_state
+        caches = spec.reusable(state)
+        out, slots = jax.device_get((state.out, spec.reusable_slots(caches)))
+        held = (prompt + out.tokens[0, : out.num_generated[0]].tolist())[: int(slots[0])]
+        return CachedPrefix(self.name, held, caches)
 
 
 class EagleDecoder(PlainDecoder):
@@ -242,6 +257,7 @@ class EagleDecoder(PlainDecoder):
     def _on_stream_step(self, state) -> None:
         """The streamed prompt's rounds and plain steps so far (``stream_rounds``,
         ``stream_plain_steps``): after a fallback the steps are no longer rounds."""
+        super()._on_stream_step(state)
         rounds, plain_steps = jax.device_get((state.rounds[0], state.plain_steps[0]))
         self.stream_rounds, self.stream_plain_steps = int(rounds), int(plain_steps)
 

@@ -21,6 +21,12 @@ The driver runs it
 * :func:`stream`: the same prefill and step, jitted apart, yielding each step's new tokens to
   the host. Same keys, so the same tokens as :func:`run`.
 
+A decoding may also start from what an earlier call left (a chat's next turn): its
+``reusable(state)`` is the KV caches, and ``prefill(..., prefix=Prefix(caches, start))`` runs
+only the prompt tokens after each row's ``start``. ``reusable_slots(caches)`` and
+``reuse_start(common, prompt_len)`` (host side) say how many tokens the caches hold and how many
+of a prompt sharing ``common`` of them may be skipped (:mod:`eagle3_jax.decoding.decoders`).
+
 :func:`append_tokens` is the one place tokens enter the output: per row, the first ``count`` of
 a step's tokens, cut before an end-of-sequence id and at ``max_new_tokens``. So the tokens a
 row emits (and the acceptance length, new tokens / rounds) never include an EOS or anything past
@@ -169,9 +175,11 @@ _keeps_jit = jax.jit(lambda decoding, phase, state: phases(decoding)[phase][1](s
 
 
 def start(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
-          key: jax.Array):
-    """The state after the prefill (jitted apart, as :func:`stream` runs it)."""
-    return _prefill_jit(decoding, params, prompt_tokens, prompt_lengths, key)
+          key: jax.Array, prefix: Prefix | None = None):
+    """The state after the prefill (jitted apart, as :func:`stream` runs it), from ``prefix``
+    when given."""
+    args = (params, prompt_tokens, prompt_lengths, key) + (() if prefix is None else (prefix,))
+    return _prefill_jit(decoding, *args)
 
 
 def advance(decoding, params: Any, state):
@@ -204,13 +212,14 @@ def compile_run(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths:
 
 
 def stream(decoding, params: Any, prompt_tokens: jax.Array, prompt_lengths: jax.Array,
-           key: jax.Array, on_step: Callable[[Any], None] | None = None
-           ) -> Iterator[list[np.ndarray]]:
+           key: jax.Array, on_step: Callable[[Any], None] | None = None,
+           prefix: Prefix | None = None) -> Iterator[list[np.ndarray]]:
     """Yield after the prefill and after every step: per row, the int32 tokens emitted in that
     step (empty when none). Costs one small device-to-host copy per step. ``on_step(state)``,
     when given, sees each state (the prefill's, then every step's) before its tokens are
-    yielded."""
-    state = start(decoding, params, prompt_tokens, prompt_lengths, key)
+    yielded; a state is donated to the next step, so only the last one seen stays readable.
+    ``prefix``: start from an earlier call's caches, as :func:`compile_run`."""
+    state = start(decoding, params, prompt_tokens, prompt_lengths, key, prefix)
     produced = np.zeros(prompt_tokens.shape[0], np.int64)
     while True:
         if on_step is not None:
