@@ -259,9 +259,10 @@ def test_fallback_breaks_even_at_the_measured_round_over_the_plain_step(tmp_path
     monkeypatch.setenv("EAGLE3_JAX_HOME", str(tmp_path))
     calls = []
 
-    def fake_round(target_params, cfg, head, tree, context, repeats, batch=1):
+    def fake_round(target_params, cfg, head, trees, context, repeats, batch=1):
         calls.append((context, batch))
-        return {"round": 0.020 + context * 1e-5 * batch, "step": 0.010 + batch * 1e-4}
+        return [{"round": 0.020 + context * 1e-5 * batch, "step": 0.010 + batch * 1e-4}
+                for _ in trees]
 
     monkeypatch.setattr(autotune, "measure_round", fake_round)
     tree = TreeConfig(tree_top_k=2, depth=3, total_tokens=8)
@@ -283,9 +284,14 @@ def test_a_measured_round_costs_more_than_a_plain_step():
     from eagle3_jax.decoding.costs import measure_round
 
     cfg, params, head = _tiny_target_and_head()
-    times = measure_round(params, cfg, head, TreeConfig(tree_top_k=2, depth=3, total_tokens=8),
-                          16, repeats=3)
-    assert set(times) == {"round", "step"} and times["round"] > times["step"] > 0
+    small, big = measure_round(params, cfg, head, [TreeConfig(tree_top_k=2, depth=3,
+                                                              total_tokens=8),
+                                                   TreeConfig(tree_top_k=4, depth=4,
+                                                              total_tokens=32)],
+                               16, repeats=3)
+    assert set(small) == {"round", "step"} and small["round"] > small["step"] > 0
+    # One plain step, timed interleaved with both trees' rounds.
+    assert big["step"] == small["step"] and big["round"] > big["step"]
 
 
 def test_the_models_best_trees_are_ranked_by_measured_whole_rounds(tmp_path, monkeypatch):
@@ -308,16 +314,17 @@ def test_the_models_best_trees_are_ranked_by_measured_whole_rounds(tmp_path, mon
     third = modelled[2].tree
     timed = []
 
-    def fake_round(target_params, cfg, head, tree, context, repeats, batch=1):
-        timed.append(tree)
-        return {"round": 0.010 if tree == third else 0.020, "step": 0.010}
+    def fake_round(target_params, cfg, head, trees, context, repeats, batch=1):
+        timed.append(list(trees))
+        return [{"round": 0.010 if tree == third else 0.020, "step": 0.010} for tree in trees]
 
     monkeypatch.setattr(autotune, "measure_round", fake_round)
     one = autotune.autotune_tree(params, cfg, head, 100, accept_rates=rates)
     assert one.tree == modelled[0].tree and not one.measured and timed == []
     best = autotune.autotune_tree(params, cfg, head, 100, accept_rates=rates, ranked=3)
     finalists = autotune.finalists(autotune.measure_costs(params, cfg, head, 128), rates, 3)
-    assert timed == [c.tree for c in finalists] and len(timed) >= 3
+    # The finalists are timed together (interleaved), once.
+    assert timed == [[c.tree for c in finalists]] and len(finalists) >= 3
     assert best.tree == third and best.measured
     assert best.seconds_per_round == 0.010 and best.plain_tokens_per_s == pytest.approx(100.0)
     assert best.predicted_speedup == pytest.approx(modelled[2].expected_accept_length)

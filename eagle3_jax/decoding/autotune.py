@@ -31,9 +31,9 @@ under a hash of the draft config inside the same file. A flat cost curve (accele
 bound) picks a big tree, a steep one (CPUs, compute bound) a small one.
 
 The decoder then times the model's ``RANKED_TREES`` best shapes, and its best tree of half the
-size (:func:`finalists`), as whole rounds against plain steps (:func:`measure_round_cost`: what
-the model leaves out, the round's own work, included) and keeps the best measured speed-up at
-the modelled tau (:func:`autotune_tree`).
+size (:func:`finalists`), as whole rounds against plain steps, all interleaved in one
+measurement (:func:`measure_round_costs`: what the model leaves out, the round's own work,
+included) and keeps the best measured speed-up at the modelled tau (:func:`autotune_tree`).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ MIN_PREDICTED_SPEEDUP = 1.1
 
 
 # The modelled best few tree shapes are then timed as whole rounds against plain steps
-# (:func:`measure_round_cost`, cached like the costs) and the best measured speed-up is kept:
+# (:func:`measure_round_costs`, cached like the costs) and the best measured speed-up is kept:
 # the model leaves the round's own work out, and shapes it rates within a few percent of each
 # other swapped places between re-measurements of the cost curve (4/4/8, 1/4/5, 2/3/8, 1/4/5
 # in stops 17-19 on this CPU); :func:`finalists` adds the best tree of half the size, which
@@ -334,13 +334,12 @@ def autotune_tree(target_params, cfg, head, prompt_length: int, *, batch: int = 
                         accept_scale=accept_scale)
     if len(choices) == 1 or not choices[0].pays_off:
         return choices[0]
-    measured = []
-    for choice in choices:
-        cost = measure_round_cost(target_params, cfg, head, choice.tree, context, batch=batch,
-                                  directory=directory, log=log)
-        measured.append(dataclasses.replace(
-            choice, seconds_per_round=cost["round"], plain_tokens_per_s=1.0 / cost["step"],
-            tokens_per_s=choice.expected_accept_length / cost["round"], measured=True))
+    costs = measure_round_costs(target_params, cfg, head, [c.tree for c in choices], context,
+                                batch=batch, directory=directory, log=log)
+    measured = [dataclasses.replace(
+        choice, seconds_per_round=cost["round"], plain_tokens_per_s=1.0 / cost["step"],
+        tokens_per_s=choice.expected_accept_length / cost["round"], measured=True)
+        for choice, cost in zip(choices, costs)]
     best = max(measured, key=lambda c: c.predicted_speedup)  # ties: the model's order
     log("[autotune: whole rounds of the finalist trees, speed-up at the modelled tau: "
         + ", ".join(f"{c.tree.tree_top_k}/{c.tree.depth}/{c.tree.total_tokens} "
@@ -348,24 +347,43 @@ def autotune_tree(target_params, cfg, head, prompt_length: int, *, batch: int = 
     return best
 
 
-def measure_round_cost(target_params, cfg, head, tree: TreeConfig, context: int, *,
-                       batch: int = 1, repeats: int = 7, directory: str | Path | None = None,
-                       log: Callable[[str], None] = lambda s: None) -> dict[str, float]:
-    """Measured (or cached) seconds of one whole round of ``tree`` and of one plain decode step
-    (:func:`eagle3_jax.decoding.costs.measure_round`) at ``context`` and ``batch``."""
+def measure_round_costs(target_params, cfg, head, trees: Sequence[TreeConfig], context: int,
+                        *, batch: int = 1, repeats: int = 9,
+                        directory: str | Path | None = None,
+                        log: Callable[[str], None] = lambda s: None) -> list[dict[str, float]]:
+    """Measured (or cached) seconds of one whole round of each of ``trees`` and of one plain
+    decode step (:func:`eagle3_jax.decoding.costs.measure_round`) at ``context`` and ``batch``.
+    The trees not cached yet are timed together, interleaved with one plain step, so the trees
+    the chooser compares saw the same machine."""
     path = cache_path(cfg, directory)
     data = _read(path)
     data.setdefault("key", machine_key(cfg))
-    where = (f"{_digest(head.cfg.to_dict())}/{tree.tree_top_k}-{tree.depth}-"
-             f"{tree.total_tokens}/{int(context)}x{int(batch)}")
-    cached = data.setdefault("round", {}).get(where)
-    if cached is None:
-        log(f"[autotune: timing whole rounds of tree {tree.tree_top_k}/{tree.depth}/"
-            f"{tree.total_tokens} against plain steps at context {context}]")
-        cached = data["round"][where] = measure_round(target_params, cfg, head, tree,
-                                                      int(context), repeats, batch=batch)
+    rounds = data.setdefault("round", {})
+
+    def where(tree):
+        return (f"{_digest(head.cfg.to_dict())}/{tree.tree_top_k}-{tree.depth}-"
+                f"{tree.total_tokens}/{int(context)}x{int(batch)}")
+
+    missing = [tree for tree in dict.fromkeys(trees) if where(tree) not in rounds]
+    if missing:
+        log(f"[autotune: timing whole rounds of tree"
+            f"{'s' if len(missing) > 1 else ''} "
+            + ", ".join(f"{t.tree_top_k}/{t.depth}/{t.total_tokens}" for t in missing)
+            + f" against plain steps at context {context}, interleaved]")
+        for tree, cost in zip(missing, measure_round(target_params, cfg, head, missing,
+                                                     int(context), repeats, batch=batch)):
+            rounds[where(tree)] = cost
         _write(path, data)
-    return {"round": float(cached["round"]), "step": float(cached["step"])}
+    return [{"round": float(rounds[where(t)]["round"]), "step": float(rounds[where(t)]["step"])}
+            for t in trees]
+
+
+def measure_round_cost(target_params, cfg, head, tree: TreeConfig, context: int, *,
+                       batch: int = 1, directory: str | Path | None = None,
+                       log: Callable[[str], None] = lambda s: None) -> dict[str, float]:
+    """:func:`measure_round_costs` of one tree."""
+    return measure_round_costs(target_params, cfg, head, [tree], context, batch=batch,
+                               directory=directory, log=log)[0]
 
 
 def fallback_for(target_params, cfg, head, tree: TreeConfig, *,

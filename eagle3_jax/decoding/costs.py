@@ -9,7 +9,8 @@ The tree chooser (:mod:`eagle3_jax.decoding.autotune`) and the benchmarks
 * :func:`measure_draft_steps`: median seconds of one draft step over w tokens (per row of a
   batch).
 * :func:`measure_round`: median seconds of one whole EAGLE round (draft the tree, verify,
-  accept, commit) against one whole plain decode step, as the decoding loops run them.
+  accept, commit) of each of several trees against one whole plain decode step, as the
+  decoding loops run them, all interleaved.
 * :func:`interleaved_medians`: named functions run round-robin, so machine noise hits all alike.
 """
 
@@ -137,12 +138,13 @@ def measure_draft_steps(head, embed, context: int, widths: Sequence[int],
     return interleaved_medians(fns, repeats, warmup=1)
 
 
-def measure_round(target_params, cfg, head, tree, context: int, repeats: int,
-                  batch: int = 1) -> dict[str, float]:
-    """Median seconds of one EAGLE round of ``tree`` ("round": the decoding loop's whole step:
-    draft the tree, verify, accept, commit the path, catch the draft up) and of one plain
-    decode step ("step", the plain loop's), for ``batch`` rows of ``context`` prompt tokens,
-    interleaved. Their ratio is the tokens a round must emit to pay: what the model of
+def measure_round(target_params, cfg, head, trees: Sequence, context: int, repeats: int,
+                  batch: int = 1) -> list[dict[str, float]]:
+    """Median seconds of one EAGLE round of each of ``trees`` ("round": the decoding loop's
+    whole step: draft the tree, verify, accept, commit the path, catch the draft up) and of one
+    plain decode step ("step", the plain loop's, the same for all), for ``batch`` rows of
+    ``context`` prompt tokens, all interleaved, so a slow spell of the machine hits every tree
+    alike. A round's time over the step's is the tokens it must emit to pay: what the model of
     :mod:`eagle3_jax.decoding.autotune` leaves out (the round's own work) included."""
     from eagle3_jax.decoding import driver
     from eagle3_jax.decoding.eagle import eagle_decoding
@@ -150,16 +152,21 @@ def measure_round(target_params, cfg, head, tree, context: int, repeats: int,
 
     # Room for every timed call's tokens where the model's context allows (a row that stops
     # early still runs through both loops' steps: the shapes are static).
-    room = cfg.max_position_embeddings - (tree.total_tokens + tree.depth + 2)
-    max_new = min((repeats + 3) * (tree.depth + 1) + 2, max(room // 2, 1))
+    widest = max(tree.total_tokens + tree.depth + 2 for tree in trees)
+    room = cfg.max_position_embeddings - widest
+    max_new = min((repeats + 3) * (max(tree.depth for tree in trees) + 1) + 2,
+                  max(room // 2, 1))
     context = max(1, min(int(context), room - max_new))
     tokens = jnp.ones((batch, context), jnp.int32)
     lengths = jnp.full((batch,), context, jnp.int32)
     key = jax.random.PRNGKey(0)
     head = head.serving()
-    eagle, _, _ = eagle_decoding(cfg, head, tokens, lengths, max_new_tokens=max_new, tree=tree)
     plain, _, _ = plain_decoding(cfg, tokens, lengths, max_new_tokens=max_new)
-    runs = {"round": (eagle, (target_params, head)), "step": (plain, target_params)}
+    runs = {"step": (plain, target_params)}
+    for i, tree in enumerate(trees):
+        eagle, _, _ = eagle_decoding(cfg, head, tokens, lengths, max_new_tokens=max_new,
+                                     tree=tree)
+        runs[i] = (eagle, (target_params, head))
     states = {name: driver.start(spec, params, tokens, lengths, key)
               for name, (spec, params) in runs.items()}
 
@@ -168,5 +175,6 @@ def measure_round(target_params, cfg, head, tree, context: int, repeats: int,
         states[name] = driver.advance(spec, params, states[name])
         return states[name].out.num_generated
 
-    return interleaved_medians({name: functools.partial(call, name) for name in runs}, repeats,
-                               warmup=2)
+    times = interleaved_medians({name: functools.partial(call, name) for name in runs}, repeats,
+                                warmup=2)
+    return [{"round": times[i], "step": times["step"]} for i in range(len(trees))]
