@@ -80,6 +80,10 @@ def test_json_lines_per_turn_with_history(tiny, capsys, tmp_path):
                {"role": "assistant", "content": records[1]["text"]},
                {"role": "user", "content": "two"}]
     assert records[2]["prompt_token_ids"] == tiny.tokenizer.apply_chat_template(history)
+    # ... and its prefill started from turn 1's caches (at least turn 1's prompt); the greedy
+    # ids above are still those of a prefill of the whole history.
+    assert records[2]["reused_prompt_tokens"] >= len(records[1]["prompt_token_ids"])
+    assert all("reused_prompt_tokens" not in r for r in records if r["turn"] == 0)
 
 
 def test_streamed_text_equals_json_text(tiny, capsys):
@@ -159,6 +163,8 @@ def test_chat_keeps_history_until_end_of_input(tiny, capsys, monkeypatch):
     assert code == 0, err
     answers = out.splitlines()
     assert len(answers) == 2 and err.count("tokens in") == 2
+    # The second turn's prefill started from the first turn's caches.
+    assert err.count("prompt tokens from the turn before") == 1
     # The second turn is asked with the first turn and its answer as history.
     code, json_out, _ = run(tiny, capsys, "--json", "--max-new-tokens", "6", "--prompt", "first")
     assert answers[0] == json.loads(json_out)["text"]

@@ -213,7 +213,8 @@ def test_full_context_stops_cleanly(tiny, capsys):
 
 def test_bench_speed_json(tmp_path, capsys):
     """The speed benchmark's plumbing on a tiny random target (SmolLM2 runs above cover the real
-    model): JSON shape, both modes identical, two MT-bench turns, table and plot written."""
+    model): JSON shape, both modes identical, two MT-bench turns (the second from the first's
+    caches), table and plot written."""
     from eagle3_jax.bench.speed import main as speed_main
 
     cfg = TargetConfig(**{**TINY.to_dict(), "max_position_embeddings": 1024})
@@ -223,7 +224,8 @@ def test_bench_speed_json(tmp_path, capsys):
     head = export_draft_head(random_head(cfg, 200, seed=4), tmp_path / "head")
     out = tmp_path / "speed.json"
     code = speed_main(["--tasks", "mt_bench,gsm8k", "--num-prompts", "1", "--max-new-tokens",
-                       "8", "--draft", str(head), "--out", str(out), *TREE_ARGS],
+                       "8", "--draft", str(head), "--out", str(out), "--reuse-prefix",
+                       *TREE_ARGS],
                       load_fn=lambda _: target)
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -235,6 +237,11 @@ def test_bench_speed_json(tmp_path, capsys):
         assert len(task["accept_by_depth"]) == 3 and task["tau"] >= 1
         assert task["identical"] is True and task["tokens_per_s_eagle"] > 0
     assert result["tasks"]["mt_bench"]["turns"] == 2
+    # --reuse-prefix: MT-bench's turn 2 started from turn 1's caches; one-turn GSM8K cannot.
+    mt = result["tasks"]["mt_bench"]
+    assert mt["prompt_tokens"] > mt["reused_prompt_tokens_eagle"] > 0
+    assert result["tasks"]["gsm8k"]["reused_prompt_tokens_eagle"] == 0
+    assert result["config"]["reuse_prefix"] is True
     assert result["config"]["tree"] == {"tree_top_k": 2, "depth": 3, "total_tokens": 8}
     assert "| mt_bench |" in captured.out
     assert out.with_suffix(".md").is_file() and out.with_suffix(".png").stat().st_size > 0
