@@ -378,28 +378,20 @@ def measure_round_costs(target_params, cfg, head, trees: Sequence[TreeConfig], c
             for t in trees]
 
 
-def measure_round_cost(target_params, cfg, head, tree: TreeConfig, context: int, *,
-                       batch: int = 1, directory: str | Path | None = None,
-                       log: Callable[[str], None] = lambda s: None) -> dict[str, float]:
-    """:func:`measure_round_costs` of one tree."""
-    return measure_round_costs(target_params, cfg, head, [tree], context, batch=batch,
-                               directory=directory, log=log)[0]
-
-
 def fallback_for(target_params, cfg, head, tree: TreeConfig, *,
                  probe_rounds: int = PROBE_ROUNDS, directory: str | Path | None = None,
                  log: Callable[[str], None] = lambda s: None) -> Callable[[int, int], Fallback]:
     """``fallback(prompt_width, batch) -> Fallback``: the break-even acceptance of ``tree`` at
     that context and padded batch: a whole round's measured seconds over a plain step's
-    (:func:`measure_round_cost`, once per machine, model, tree, context bucket and batch: the
+    (:func:`measure_round_costs`, once per machine, model, tree, context bucket and batch: the
     verification forward reads a longer cache for longer prompts, and B rows verify B trees in
     one forward; the tree chooser's model leaves out the round's own work, about a tenth of it
     on this CPU, which is exactly the margin that decides a prompt near break-even)."""
 
     @functools.lru_cache(maxsize=None)
     def at(context: int, batch: int) -> Fallback:
-        cost = measure_round_cost(target_params, cfg, head, tree, context, batch=batch,
-                                  directory=directory, log=log)
+        cost, = measure_round_costs(target_params, cfg, head, [tree], context, batch=batch,
+                                    directory=directory, log=log)
         fallback = Fallback(cost["round"] / cost["step"], probe_rounds)
         rows = "" if batch == 1 else f" and {batch} rows"
         log(f"[fallback: at a {context}-token context{rows} a round takes "

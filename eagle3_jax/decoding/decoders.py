@@ -163,10 +163,13 @@ class PlainDecoder:
         if keep:
             slots = jax.device_get(spec.reusable_slots(caches))
             for i, (gen, prompt) in enumerate(zip(gens, prompts)):
-                held = (list(prompt) + gen.token_ids)[: int(slots[i])]
-                gen.prefix = CachedPrefix(self.name, held,
-                                          jax.tree.map(lambda a, i=i: a[i:i + 1], caches))
+                gen.prefix = self._cached_prefix(prompt, gen.token_ids, slots[i],
+                                                 jax.tree.map(lambda a, i=i: a[i:i + 1], caches))
         return gens
+
+    def _cached_prefix(self, prompt, token_ids, slots, caches) -> CachedPrefix:
+        """A row's caches (batch 1) whose first ``slots`` slots hold its prompt and answer."""
+        return CachedPrefix(self.name, (list(prompt) + list(token_ids))[: int(slots)], caches)
 
     def _prefix(self, spec, batch: PaddedPrompts, prompts: Sequence[list[int]],
                 prefixes: Sequence[CachedPrefix | None]) -> tuple[driver.Prefix | None, list]:
@@ -221,8 +224,8 @@ class PlainDecoder:
         (spec, prompt), state = self._streamed, self._stream_state
         caches = spec.reusable(state)
         out, slots = jax.device_get((state.out, spec.reusable_slots(caches)))
-        held = (prompt + out.tokens[0, : out.num_generated[0]].tolist())[: int(slots[0])]
-        return CachedPrefix(self.name, held, caches)
+        return self._cached_prefix(prompt, out.tokens[0, : out.num_generated[0]].tolist(),
+                                   slots[0], caches)
 
 
 class EagleDecoder(PlainDecoder):

@@ -41,7 +41,7 @@ from eagle3_jax.decoding import driver
 from eagle3_jax.decoding.batching import bucket
 from eagle3_jax.decoding.driver import (Emitted, GenerationError, append_tokens, check_prompts,
                                         eos_tuple)
-from eagle3_jax.decoding.generate import decode_step
+from eagle3_jax.decoding.generate import PlainDecoding, decode_step
 from eagle3_jax.decoding.sampling import SamplingParams, sample
 from eagle3_jax.decoding.tree import TreeConfig, build_tree
 from eagle3_jax.decoding.verify import accept, commit_path, verify_forward
@@ -334,7 +334,7 @@ class EagleDecoding:
         """Prompt tokens taken from a prefix that holds the first ``common`` of them: the draft
         entry before the new ones pairs f_{s-1} with x_s, so one fewer than plain decoding
         (the tap f_{s-1} is not kept, so entry s - 1 is redone), and never the last token."""
-        return max(min(common - 1, prompt_len - 1), 0)
+        return PlainDecoding.reuse_start(common - 1, prompt_len)
 
 
 def eagle_cache_size(cfg: TargetConfig, prompt_width: int, max_new_tokens: int,
