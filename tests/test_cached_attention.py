@@ -139,6 +139,21 @@ def test_matches_a_float64_implementation_of_the_definition(tree):
 
 
 @needs_kernel
+@pytest.mark.parametrize("t, slots, ends", [(8, 300, [290, 7]), (1, 256, [256, 131]),
+                                            (16, 512, [200, 64]), (3, 1024, [700, 0])])
+def test_long_caches_read_in_chunks_match_float64(t, slots, ends):
+    """SmolLM2's 9/3 heads of 64 over caches of several 64-slot chunks (the kernel reads keys and
+    values a chunk at a time, copying keys at power-of-two slot counts): full and partial last
+    chunks, a full cache, an empty one; 3 to 48 query rows per kv head (one task, or several
+    of up to 12 rows)."""
+    args = _operands(2, t, 9, 3, 64, slots, ends, seed=slots + t)
+    got_out, got_k = jax.jit(_kernel_call)(*args)
+    want_out, want_k = _numpy_reference(*args)
+    np.testing.assert_allclose(np.asarray(got_out), want_out, rtol=0, atol=ATOL_OUT)
+    np.testing.assert_allclose(np.asarray(got_k), want_k, rtol=0, atol=ATOL_K)
+
+
+@needs_kernel
 def test_a_row_that_sees_nothing_gets_zeros_and_others_are_unaffected():
     args = _operands(1, 3, 4, 2, 16, 20, [12], seed=4)
     m_past, m_new = np.array(args[7]), np.array(args[8])

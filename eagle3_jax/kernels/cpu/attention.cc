@@ -15,17 +15,23 @@
 // Why: XLA CPU runs this as ~12 small ops a layer (RoPE of q and k, two score einsums, masks, a
 // softmax over their concatenation, two value einsums, transposes of q, k, v and the output);
 // at T = 8 those cost a SmolLM2 forward about as much as its matmuls' extra rows (issue 11).
-// Here one call does it all, reading each (b, kv head)'s cache from L2 for up to 8 query rows
-// at a time, and only up to the last slot any of those rows sees (a cache allocated for 2048
-// tokens holding 256 costs 256).
+// Here one call does it all, each task reading its (b, kv head)'s cache once for up to 12 query
+// rows, and only up to the last slot any of those rows sees (a cache allocated for 2048 tokens
+// holding 256 costs 256).
 //
-// How: the new keys are rotated first; then tasks (b, kv head, block of 8 query rows, or 4
-// where a kv head has no more: a decode step's group) run on XLA's pool (parallel.h), each
-// rotating its queries. Scores are a broadcast-FMA over 2 vectors of slots at a time (the key
-// cache is [H, S], slots contiguous), the softmax uses a vectorized exp (Cephes' polynomial,
-// ~1 ulp), and the weighted sum of values a broadcast-FMA over the head dimension. Written once
-// with GCC vector extensions and compiled twice, for AVX-512 (16 lanes) and for AVX2/FMA (8
-// lanes, blocked for its 16 registers: `Narrow`); the CPU picks one at load time.
+// How: the new keys are rotated first; then tasks (b, kv head, block of up to 12 query rows, or
+// 4 where a kv head has no more: a decode step's group; as many as make the count even) run on
+// XLA's pool (parallel.h), each rotating its queries. The cache is read in chunks of 64 slots,
+// each used by every row of the task while it is in cache. (Reading the keys [H, S] a block of
+// rows at a time over all visible slots, as this kernel did before, was slow at the bucketed
+// cache sizes decoding allocates: at a power-of-two S the key rows lie a power-of-two stride
+// apart, share a few cache sets and evict each other between row blocks. SmolLM2, 30 layers,
+// 8 tokens over 400 cached: 6.7 ms at S = 1024, 3.3 at S = 1040; in chunks 3.3 at both.)
+// Scores are a broadcast-FMA over 2 vectors of slots at a time, the softmax uses a vectorized
+// exp (Cephes' polynomial, ~1 ulp), and the weighted sum of values a broadcast-FMA over the
+// head dimension, chunk by chunk, the sums carried between chunks. Written once with GCC vector
+// extensions and compiled twice, for AVX-512 (16 lanes) and for AVX2/FMA (8 lanes, blocked for
+// its 16 registers: `Narrow`); the CPU picks one at load time.
 
 #include <cmath>
 #include <cstdint>
@@ -48,14 +54,14 @@ typedef float vf8_unaligned __attribute__((vector_size(32), aligned(4), may_alia
 typedef int32_t vi8 __attribute__((vector_size(32)));
 
 // Register blocking per vector width, so that the accumulators stay in registers.
-//   kScoreRows: query rows scored together, 2 vectors of slots each (2 x rows accumulators);
+//   kScoreRows x kScoreVecs: query rows x vectors of slots scored together (accumulators);
 //   kValueAcc: accumulators of the weighted sum of values (rows x vectors of the head dim).
-// AVX-512 (32 registers of 16 lanes): all 8 rows x 32 slots; 4 rows x the whole head dim.
+// AVX-512 (32 registers of 16 lanes): 4 rows x 64 slots; 4 rows x the whole head dim.
 struct Wide {
   typedef vf16 V;
   typedef vf16_unaligned VU;
   typedef vi16 VI;
-  static constexpr int kLanes = 16, kScoreRows = 8, kValueAcc = 0;  // 0: 4 rows x all of H
+  static constexpr int kLanes = 16, kScoreRows = 4, kScoreVecs = 4, kValueAcc = 0;  // 0: all H
 };
 // AVX2 (16 registers of 8 lanes): 4 rows x 16 slots (8 accumulators + 2 keys + 1 query);
 // 8 accumulators of the weighted sum (2 rows x 4 vectors of H, or 4 x 2). With the AVX-512
@@ -65,11 +71,16 @@ struct Narrow {
   typedef vf8 V;
   typedef vf8_unaligned VU;
   typedef vi8 VI;
-  static constexpr int kLanes = 8, kScoreRows = 4, kValueAcc = 8;
+  static constexpr int kLanes = 8, kScoreRows = 4, kScoreVecs = 2, kValueAcc = 8;
 };
 
-constexpr int kMaxRows = 8;  // query rows per task (4 where a kv head has at most 4)
+// Query rows per task: up to kMaxRows (a task reads its kv head's cache once for all its rows),
+// kFewRows where a kv head has no more (a decode step's group).
+constexpr int kMaxRows = 12;
 constexpr int kFewRows = 4;
+// Cache slots per chunk: one chunk of keys and of values (16 KB each at head dim 64) stays in
+// L1 while every row of a task reads it.
+constexpr int64_t kChunk = 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #define EAGLE3_INLINE __attribute__((always_inline)) inline
@@ -127,10 +138,17 @@ struct Problem {
   float *out, *k_rot;
   int64_t batch, tokens, heads, kv_heads, head_dim, slots;
   int64_t group() const { return heads / kv_heads; }
-  // Query rows per (b, kv head), and per task: padded rows would be scored for nothing.
+  // Query rows per (b, kv head); tasks per (b, kv head) (row blocks) and rows per task: blocks
+  // of at most kMaxRows, one more where that makes the task count even (on 2 cores 3 equal
+  // tasks take 2 rounds, 4 of 3/4 the size take 1.5); a group of at most kFewRows rows stays
+  // one task (it reads the cache once; split, each part would read it again).
   int64_t rows() const { return tokens * group(); }
-  int64_t task_rows() const { return rows() <= kFewRows ? kFewRows : kMaxRows; }
-  int64_t row_blocks() const { return (rows() + task_rows() - 1) / task_rows(); }
+  int64_t row_blocks() const {
+    int64_t blocks = (rows() + kMaxRows - 1) / kMaxRows;
+    if (rows() > kFewRows && batch * kv_heads * blocks % 2 == 1) ++blocks;
+    return blocks;
+  }
+  int64_t task_rows() const { return (rows() + row_blocks() - 1) / row_blocks(); }
 };
 
 // 1 + the last slot among [0, slots) that mask row `m` marks, or 0.
@@ -150,79 +168,121 @@ EAGLE3_INLINE void Rotate(const float* x, const float* cos, const float* sin, in
   }
 }
 
-// out rows r0..r0+nr of (b, kh): rows are (token t, query head g of the group), r = t*G + g;
-// rows past nr repeat row r0 and are not stored; whole blocks of C::kScoreRows are computed.
+// Scores of R query rows against SV vectors of slots (keys `k` [H, ld_k], slots contiguous):
+// out[r][s] = q[r] . k[:, s], summed over the head dim in order.
+template <class C, int HV, int R, int SV>
+EAGLE3_INLINE void AddScores(const float* k, int64_t ld_k, const float* const* q, float* out,
+                             int64_t ld_out) {
+  using V = typename C::V;
+  constexpr int L = C::kLanes;
+  V a[R][SV] = {};
+  for (int h = 0; h < HV * L; ++h) {
+    V kv[SV];
+    for (int v = 0; v < SV; ++v) kv[v] = Load<C>(k + h * ld_k + v * L);
+    for (int r = 0; r < R; ++r) {
+      const V qh = Splat<C>(q[r][h]);
+      for (int v = 0; v < SV; ++v) a[r][v] += qh * kv[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < SV; ++v) Store<C>(out + r * ld_out + v * L, a[r][v]);
+}
+
+// row[s] for s < n: scaled (divided by `scale`) where `seen[s]`, else -inf; returns the max.
+template <class C>
+EAGLE3_INLINE typename C::V MaskedScale(float* row, const bool* seen, int64_t n, float scale,
+                                        typename C::V m) {
+  using V = typename C::V;
+  using VI = typename C::VI;
+  constexpr int L = C::kLanes;
+  int64_t s = 0;
+  for (; s + L <= n; s += L) {
+    VI on;
+    for (int i = 0; i < L; ++i) on[i] = seen[s + i];
+    const V x = Load<C>(row + s);
+    const V y = on != 0 ? x / scale : Splat<C>(kNegInf);
+    Store<C>(row + s, y);
+    m = y > m ? y : m;
+  }
+  float mx = Max<C>(m);
+  for (; s < n; ++s) {
+    row[s] = seen[s] ? row[s] / scale : kNegInf;
+    mx = row[s] > mx ? row[s] : mx;
+  }
+  return Splat<C>(mx);
+}
+
+// out rows r0..r0+nr of (b, kh): rows are (token t, query head g of the group), r = t*G + g.
+// The cache is read in chunks of kChunk slots, each chunk by every row of the task while it is
+// in cache. Rows past nr, up to a whole block of C::kScoreRows, repeat row r0 for the scores
+// and read row 0's weights; they are never stored.
 template <class C, int HV, int kRows>  // vector config, head_dim / lanes, rows per task
 EAGLE3_INLINE void AttendRows(const Problem& p, int64_t b, int64_t kh, int64_t r0, int64_t nr,
                               std::vector<float>& scratch) {
   using V = typename C::V;
   constexpr int L = C::kLanes;
   constexpr int SR = C::kScoreRows < kRows ? C::kScoreRows : kRows;  // rows scored together
-  // The weighted sum: VC vectors of the head dim x PR rows per pass (PR divides SR, so a pass
-  // reads only computed rows).
+  constexpr int SV = C::kScoreVecs;  // vectors of slots scored together
+  constexpr int RUN = SV * L;        // slots per AddScores
+  static_assert(kChunk % RUN == 0, "a chunk is whole runs");
+  // The weighted sum: VC vectors of the head dim x PR rows per pass.
   constexpr int VC = C::kValueAcc == 0 ? HV : (HV % 4 == 0 ? 4 : (HV % 2 == 0 ? 2 : 1));
   constexpr int PR_ = C::kValueAcc == 0 ? 4 : C::kValueAcc / VC;
   constexpr int PR = PR_ < SR ? PR_ : SR;
+  constexpr int kPadRows = kRows + SR + PR;  // rows a pass may touch past nr
   const int64_t T = p.tokens, S = p.slots, G = p.group(), H = HV * L;
-  const int64_t nc = (nr + SR - 1) / SR * SR;  // rows computed
+  const int64_t nc = (nr + SR - 1) / SR * SR;  // rows scored
   alignas(64) float q_rot[kRows][HV * L];  // this task's queries, rotated
-  const float* q[kRows];
+  const float* q[kPadRows];
   const bool* mp[kRows];
   const bool* mn[kRows];
   float* o[kRows];
   int64_t limit = 0;  // past slots [0, limit) hold every slot these rows see
-  for (int r = 0; r < nc; ++r) {
-    const int64_t row = r0 + (r < nr ? r : 0), t = row / G, g = row % G;
-    const float* rope = p.cos + (b * T + t) * (H / 2);
-    Rotate(p.q + ((b * T + t) * p.heads + kh * G + g) * H, rope,
+  for (int r = 0; r < nr; ++r) {
+    const int64_t row = r0 + r, t = row / G, g = row % G;
+    Rotate(p.q + ((b * T + t) * p.heads + kh * G + g) * H, p.cos + (b * T + t) * (H / 2),
            p.sin + (b * T + t) * (H / 2), H / 2, q_rot[r]);
     q[r] = q_rot[r];
     mp[r] = p.m_past + (b * T + t) * S;
     mn[r] = p.m_new + (b * T + t) * T;
     o[r] = p.out + ((b * T + t) * p.heads + kh * G + g) * H;
-    if (r < nr) {
-      const int64_t end = VisibleEnd(mp[r], S);
-      limit = end > limit ? end : limit;
-    }
+    const int64_t end = VisibleEnd(mp[r], S);
+    limit = end > limit ? end : limit;
   }
-  const int64_t past_pad = (limit + L - 1) / L * L;
+  for (int r = nr; r < kPadRows; ++r) q[r] = q_rot[0];
+  const int64_t past_pad = (limit + RUN - 1) / RUN * RUN;
   const int64_t new_pad = (T + L - 1) / L * L;
   const int64_t ld = past_pad + new_pad;
-  scratch.resize(kRows * ld);
+  // scratch: scores [nc, ld] | weighted sums [kPadRows, H] | the last chunk of keys [H, kChunk]
+  scratch.resize(nc * ld + kPadRows * H + H * kChunk + 16);
   float* sc = scratch.data();
+  float* acc = sc + nc * ld;
+  float* kc = acc + kPadRows * H;
   const float* kp = p.k_past + (b * p.kv_heads + kh) * H * S;  // [H, S]
   const float* vp = p.v_past + (b * p.kv_heads + kh) * S * H;  // [S, H]
 
-  // Scores over the past: SR rows x 2L slots of accumulators, one pass over the head dim.
-  for (int rb = 0; rb < nc; rb += SR) {
-    int64_t s0 = 0;
-    for (; s0 + 2 * L <= limit; s0 += 2 * L) {
-      V a0[SR] = {}, a1[SR] = {};
+  // Scores over the past, a chunk at a time.
+  for (int64_t c0 = 0; c0 < limit; c0 += kChunk) {
+    const int64_t n = limit - c0 < kChunk ? limit - c0 : kChunk;
+    const int64_t runs = (n + RUN - 1) / RUN;
+    const float* keys = kp + c0;
+    int64_t ld_k = S;
+    if (c0 + runs * RUN > S) {  // the last run would read past the cache: copy the chunk
       for (int64_t h = 0; h < H; ++h) {
-        const V k0 = Load<C>(kp + h * S + s0), k1 = Load<C>(kp + h * S + s0 + L);
-        for (int r = 0; r < SR; ++r) {
-          const V qh = Splat<C>(q[rb + r][h]);
-          a0[r] += qh * k0;
-          a1[r] += qh * k1;
-        }
+        int64_t s = 0;
+        for (; s < n; ++s) kc[h * kChunk + s] = kp[h * S + c0 + s];
+        for (; s < runs * RUN; ++s) kc[h * kChunk + s] = 0.0f;
       }
-      for (int r = 0; r < SR; ++r) {
-        Store<C>(sc + (rb + r) * ld + s0, a0[r]);
-        Store<C>(sc + (rb + r) * ld + s0 + L, a1[r]);
-      }
+      keys = kc, ld_k = kChunk;
     }
-    for (; s0 < limit; ++s0) {  // the last < 2L slots
-      for (int r = rb; r < rb + SR; ++r) {
-        float a = 0.0f;
-        for (int64_t h = 0; h < H; ++h) a += q[r][h] * kp[h * S + s0];
-        sc[r * ld + s0] = a;
-      }
-    }
+    for (int rb = 0; rb < nc; rb += SR)
+      for (int64_t u = 0; u < runs; ++u)
+        AddScores<C, HV, SR, SV>(keys + u * RUN, ld_k, q + rb, sc + rb * ld + c0 + u * RUN, ld);
   }
-  // Scores over the new tokens (keys [H] contiguous at k_new[b, j, kh]).
+  // Scores over the new tokens (keys [H] contiguous at k_rot[b, j, kh]).
   for (int64_t j = 0; j < T; ++j) {
     const float* kj = p.k_rot + ((b * T + j) * p.kv_heads + kh) * H;
-    for (int r = 0; r < nc; ++r) {
+    for (int r = 0; r < nr; ++r) {
       V a = {};
       for (int v = 0; v < HV; ++v) a += Load<C>(q[r] + v * L) * Load<C>(kj + v * L);
       sc[r * ld + past_pad + j] = Sum<C>(a);
@@ -232,17 +292,12 @@ EAGLE3_INLINE void AttendRows(const Problem& p, int64_t b, int64_t kh, int64_t r
   // Mask, scale, softmax numerators; the sums' reciprocals.
   const float scale = std::sqrt(static_cast<float>(H));
   float inv_sum[kRows];
-  for (int r = 0; r < nc; ++r) {
+  for (int r = 0; r < nr; ++r) {
     float* row = sc + r * ld;
-    for (int64_t s = 0; s < limit; ++s) row[s] = mp[r][s] ? row[s] / scale : kNegInf;
+    V m = MaskedScale<C>(row, mp[r], limit, scale, Splat<C>(kNegInf));
     for (int64_t s = limit; s < past_pad; ++s) row[s] = kNegInf;
-    for (int64_t j = 0; j < T; ++j) row[past_pad + j] = mn[r][j] ? row[past_pad + j] / scale : kNegInf;
+    m = MaskedScale<C>(row + past_pad, mn[r], T, scale, m);
     for (int64_t j = T; j < new_pad; ++j) row[past_pad + j] = kNegInf;
-    V m = Splat<C>(kNegInf);
-    for (int64_t s = 0; s < ld; s += L) {
-      const V x = Load<C>(row + s);
-      m = x > m ? x : m;
-    }
     const float mx = Max<C>(m);
     const bool any = mx != kNegInf;
     V total = {};
@@ -253,32 +308,43 @@ EAGLE3_INLINE void AttendRows(const Problem& p, int64_t b, int64_t kh, int64_t r
     }
     inv_sum[r] = any ? 1.0f / Sum<C>(total) : 0.0f;
   }
+  const float* w[kPadRows];  // each row's weights: [ld] of sc
+  for (int r = 0; r < kPadRows; ++r) w[r] = sc + (r < nr ? r : 0) * ld;
 
-  // Weighted sums of values: PR rows x VC vectors of the head dim per pass over the visible
-  // slots (each output element sums the slots in order, whatever the blocking).
-  for (int half = 0; half < nr; half += PR) {
-    for (int v0 = 0; v0 < HV; v0 += VC) {
-      V acc[PR][VC] = {};
-      for (int64_t s = 0; s < limit; ++s) {
-        V vs[VC];
-        for (int v = 0; v < VC; ++v) vs[v] = Load<C>(vp + s * H + (v0 + v) * L);
-        for (int r = 0; r < PR; ++r) {
-          const V w = Splat<C>(sc[(half + r) * ld + s]);
-          for (int v = 0; v < VC; ++v) acc[r][v] += w * vs[v];
+  // Weighted sums of values, PR rows x VC vectors of the head dim per pass over a chunk of
+  // slots, the sums carried between chunks in `acc` (each output element sums the slots in
+  // order, whatever the blocking); the new tokens' values last, then the normalization.
+  const int64_t past_chunks = (limit + kChunk - 1) / kChunk;
+  for (int64_t c = 0; c <= past_chunks; ++c) {
+    const bool past = c < past_chunks;
+    const int64_t c0 = c * kChunk;
+    const int64_t n = past ? (limit - c0 < kChunk ? limit - c0 : kChunk) : T;
+    const int64_t col0 = past ? c0 : past_pad;  // the weights' column of value 0
+    const float* vals = past ? vp + c0 * H : p.v_new + (b * T * p.kv_heads + kh) * H;
+    const int64_t ld_v = past ? H : p.kv_heads * H;
+    for (int rp = 0; rp < nr; rp += PR) {
+      for (int v0 = 0; v0 < HV; v0 += VC) {
+        V a[PR][VC];
+        for (int r = 0; r < PR; ++r)
+          for (int v = 0; v < VC; ++v)
+            a[r][v] = c == 0 ? V{} : Load<C>(acc + (rp + r) * H + (v0 + v) * L);
+        for (int64_t s = 0; s < n; ++s) {
+          V vs[VC];
+          for (int v = 0; v < VC; ++v) vs[v] = Load<C>(vals + s * ld_v + (v0 + v) * L);
+          for (int r = 0; r < PR; ++r) {
+            const V wr = Splat<C>(w[rp + r][col0 + s]);
+            for (int v = 0; v < VC; ++v) a[r][v] += wr * vs[v];
+          }
+        }
+        if (past) {
+          for (int r = 0; r < PR; ++r)
+            for (int v = 0; v < VC; ++v) Store<C>(acc + (rp + r) * H + (v0 + v) * L, a[r][v]);
+        } else {
+          for (int r = rp; r < nr && r < rp + PR; ++r)
+            for (int v = 0; v < VC; ++v)
+              Store<C>(o[r] + (v0 + v) * L, a[r - rp][v] * inv_sum[r]);
         }
       }
-      for (int64_t j = 0; j < T; ++j) {
-        const float* vj = p.v_new + ((b * T + j) * p.kv_heads + kh) * H;
-        V vs[VC];
-        for (int v = 0; v < VC; ++v) vs[v] = Load<C>(vj + (v0 + v) * L);
-        for (int r = 0; r < PR; ++r) {
-          const V w = Splat<C>(sc[(half + r) * ld + past_pad + j]);
-          for (int v = 0; v < VC; ++v) acc[r][v] += w * vs[v];
-        }
-      }
-      for (int r = half; r < nr && r < half + PR; ++r)
-        for (int v = 0; v < VC; ++v)
-          Store<C>(o[r] + (v0 + v) * L, acc[r - half][v] * inv_sum[r]);
     }
   }
 }
@@ -286,7 +352,7 @@ EAGLE3_INLINE void AttendRows(const Problem& p, int64_t b, int64_t kh, int64_t r
 template <class C, int HV>
 EAGLE3_INLINE void AttendHeadDim(const Problem& p, int64_t b, int64_t kh, int64_t r0,
                                  int64_t nr, std::vector<float>& scratch) {
-  if (p.task_rows() == kFewRows) {
+  if (p.task_rows() <= kFewRows) {
     AttendRows<C, HV, kFewRows>(p, b, kh, r0, nr, scratch);
   } else {
     AttendRows<C, HV, kMaxRows>(p, b, kh, r0, nr, scratch);
@@ -300,6 +366,7 @@ EAGLE3_INLINE void AttendTask(const Problem& p, int64_t task, std::vector<float>
   const int64_t kh = task / blocks % p.kv_heads;
   const int64_t r0 = task % blocks * per_task;
   const int64_t nr = p.rows() - r0 < per_task ? p.rows() - r0 : per_task;
+  if (nr <= 0) return;
   // head_dim is 16..128 in steps of 16 (checked by the caller): HV = head_dim / lanes.
   switch (p.head_dim / 16) {
     case 1: AttendHeadDim<C, 16 / C::kLanes>(p, b, kh, r0, nr, scratch); break;
