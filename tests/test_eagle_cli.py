@@ -10,6 +10,7 @@ time, so the CLI tests share one tree shape, one prompt set and one batch size.
 from __future__ import annotations
 
 import json
+import statistics
 import types
 
 import jax
@@ -237,6 +238,18 @@ def test_bench_speed_json(tmp_path, capsys):
         assert len(task["accept_by_depth"]) == 3 and task["tau"] >= 1
         assert task["identical"] is True and task["tokens_per_s_eagle"] > 0
     assert result["tasks"]["mt_bench"]["turns"] == 2
+    # Per-turn records: the totals are their sums, the speeds their medians, turn numbers kept.
+    for task in result["tasks"].values():
+        turns = task["per_turn"]
+        assert len(turns) == task["turns"]
+        assert sum(t["new_tokens"] for t in turns) == task["new_tokens"]
+        assert sum(t["rounds"] for t in turns) == task["rounds"]
+        eagle = [t["new_tokens"] / t["seconds_eagle"] for t in turns]
+        assert task["tokens_per_s_eagle"] == pytest.approx(statistics.median(eagle))
+        assert task["tau_median_turn"] == pytest.approx(statistics.median(t["tau"] for t in turns))
+    mt_turns = result["tasks"]["mt_bench"]["per_turn"]
+    assert [t["turn"] for t in mt_turns] == [1, 2]
+    assert set(result["tasks"]["mt_bench"]["speedup_by_turn"]) == {"1", "2"}
     # --reuse-prefix: MT-bench's turn 2 started from turn 1's caches; one-turn GSM8K cannot.
     mt = result["tasks"]["mt_bench"]
     assert mt["prompt_tokens"] > mt["reused_prompt_tokens_eagle"] > 0

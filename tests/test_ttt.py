@@ -362,3 +362,59 @@ def test_loss_and_gradients_match_an_independent_pytorch_reference(tmp_path, los
     for name, leaf in leaves.items():
         np.testing.assert_allclose(want[name].numpy(), leaf.grad.numpy(), rtol=2e-4, atol=2e-6,
                                    err_msg=name)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_draft_step_attends_as_over_the_cache_after_its_writes(kernel):
+    """``draft_step_cached`` splits its mask (over the cache after the step's writes) into the
+    cache before them and the step's own tokens, for the target's attention (the CPU kernel
+    where it runs, else XLA): the outputs of attending over the written cache with the mask as
+    given (written here from the module's pieces). A tree step (siblings apart, ancestors in
+    scratch slots past a 40-token context) and a token whose slot is past the cache (dropped:
+    it sees the cache only)."""
+    from eagle3_jax.draft.model import next_feature
+    from eagle3_jax.kernels import library
+    from eagle3_jax.kernels.attention import FFI_TARGET
+    from eagle3_jax.model.layers import write_kv
+
+    cfg = DraftConfig(hidden_size=D, intermediate_size=48, num_heads=4, num_kv_heads=2,
+                      head_dim=16, vocab_size=V, draft_vocab_size=VD, tap_layers=(1, 2, 3))
+    keys = jax.random.split(jax.random.key(7), 5)
+    params = init_draft_params(cfg, keys[0], scale=0.3)
+    embed = jax.random.normal(keys[1], (V, D))
+    b, t, slots, context = 2, 3, 48, 40
+    cache_k = jax.random.normal(keys[2], (b, 2, 16, slots))
+    cache_v = jax.random.normal(keys[3], (b, 2, slots, 16))
+    embeds = embed[jax.random.randint(keys[4], (b, t), 0, V)]
+    g = jax.random.normal(keys[4], (b, t, D))
+    positions = jnp.asarray([[42, 42, 42], [41, 41, 41]])
+    # Row 0: three siblings at slots 43..45, each seeing the context, the ancestors at 40..41
+    # and itself. Row 1: slots 46, 47 and 50 (past the cache), the last seeing the context only.
+    write = jnp.asarray([[43, 44, 45], [46, 47, 50]])
+    mask = np.zeros((b, t, slots), bool)
+    mask[:, :, :context] = True
+    mask[0, :, 40:42] = True
+    for j in range(t):
+        if write[0, j] < slots:
+            mask[0, j, write[0, j]] = True
+        if write[1, j] < slots:
+            mask[1, j, write[1, j]] = True
+    mask = jnp.asarray(mask)
+
+    previous = library.set_kernel_enabled(None if kernel else False)
+    jax.clear_caches()  # traces keep the switch they were made with
+    try:
+        step = jax.jit(draft_step_cached, static_argnums=1)
+        args = (params, cfg, embeds, g, positions, mask, cache_k, cache_v, write)
+        lowered = FFI_TARGET in step.lower(*args).as_text()
+        assert lowered == (kernel and library.kernel_available())
+        got = step(*args)
+    finally:
+        library.set_kernel_enabled(previous)
+        jax.clear_caches()
+    q, k, v = project_qkv(params, cfg, embeds, g, positions)
+    ck, cv = write_kv(cache_k, cache_v, jnp.arange(b)[:, None], write, k, v)
+    h = finish_layer(params, cfg, g, attention(q, [(ck, cv, mask)]))
+    want = (next_feature(params, cfg, h), draft_logits(params, cfg, h), ck, cv)
+    for name, a, w in zip(("feature", "logits", "cache_k", "cache_v"), got, want):
+        np.testing.assert_allclose(a, w, atol=2e-5, rtol=1e-5, err_msg=name)

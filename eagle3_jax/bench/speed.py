@@ -103,62 +103,83 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
     from its own caches of the turn before (the prefill runs only the new tokens)."""
     tok = target.tokenizer
     warm = set() if warm is None else warm
-    speeds: dict[str, list[float]] = {"vanilla": [], "eagle": [], "hf": []}
-    tokens = rounds = turns = fell_back = reused = prompt_tokens = 0
+    from eagle3_jax.decoding.acceptance import mean_accept_length
+
+    per_turn: list[dict[str, Any]] = []  # one record per decoded turn, in order
     hist = [0] * (depth + 2)
     # Greedy EAGLE must equal plain decoding; sampled answers differ by design (None).
     identical = True if decoders["vanilla"].sampling.temperature == 0 else None
     for conversation in conversations:
         history: list[dict[str, str]] = []
         before = {"vanilla": None, "eagle": None}  # each decoder's caches of the turn before
-        for user in conversation:
+        for turn, user in enumerate(conversation, 1):
             history.append({"role": "user", "content": user})
             ids = tok.apply_chat_template(history, add_generation_prompt=True)
             plain, t_plain = _timed(decoders["vanilla"], ids, warm, "vanilla", repeats,
                                     before["vanilla"], reuse_prefix)
             spec, t_spec = _timed(decoders["eagle"], ids, warm, "eagle", repeats,
                                   before["eagle"], reuse_prefix)
+            record = {"turn": turn, "prompt_tokens": len(ids),
+                      "new_tokens_vanilla": len(plain.token_ids),
+                      "new_tokens": len(spec.token_ids), "rounds": spec.rounds,
+                      "plain_steps": spec.plain_steps,
+                      "tau": mean_accept_length(spec.accept_hist) if spec.rounds else None,
+                      "seconds_vanilla": t_plain, "seconds_eagle": t_spec}
             if reuse_prefix:
                 before = {"vanilla": plain.prefix, "eagle": spec.prefix}
-                reused += spec.reused
-                prompt_tokens += len(ids)
-            speeds["vanilla"].append(len(plain.token_ids) / max(t_plain, 1e-9))
-            speeds["eagle"].append(len(spec.token_ids) / max(t_spec, 1e-9))
+                record["reused_prompt_tokens_eagle"] = spec.reused
             if hf_model is not None:
                 n, seconds = _hf_generate(hf_model, ids, max_new_tokens, tok.eos_token_ids,
                                           tok.pad_token_id)
-                speeds["hf"].append(n / max(seconds, 1e-9))
+                record.update(new_tokens_hf=n, seconds_hf=seconds)
             if identical is not None:
                 identical &= plain.token_ids == spec.token_ids
-            tokens += len(spec.token_ids)
-            rounds += spec.rounds
-            fell_back += spec.plain_steps > 0
             hist = [a + b for a, b in zip(hist, spec.accept_hist)]
-            turns += 1
+            per_turn.append(record)
             history.append({"role": "assistant",
                             "content": tok.decode(plain.token_ids, skip_special_tokens=True)})
+            tau = "-" if record["tau"] is None else f"{record['tau']:.2f}"
             log(f"  {len(ids)} prompt tokens{f' ({spec.reused} reused)' if reuse_prefix else ''}"
-                f": vanilla {speeds['vanilla'][-1]:.1f} tok/s, eagle "
-                f"{speeds['eagle'][-1]:.1f} tok/s, {spec.rounds} rounds")
-    from eagle3_jax.decoding.acceptance import mean_accept_length
+                f": vanilla {_speed(record, 'vanilla'):.1f} tok/s, eagle "
+                f"{_speed(record, 'eagle'):.1f} tok/s, {spec.rounds} rounds, tau {tau}")
 
     total = max(sum(hist), 1)
-    vanilla = statistics.median(speeds["vanilla"])
-    eagle = statistics.median(speeds["eagle"])
-    hf = {"tokens_per_s_hf": statistics.median(speeds["hf"]),
-          "speedup_vs_hf": eagle / statistics.median(speeds["hf"])} if speeds["hf"] else {}
+    vanilla = statistics.median(_speed(r, "vanilla") for r in per_turn)
+    eagle = statistics.median(_speed(r, "eagle") for r in per_turn)
+    hf = {}
+    if hf_model is not None:
+        hf_speed = statistics.median(_speed(r, "hf") for r in per_turn)
+        hf = {"tokens_per_s_hf": hf_speed, "speedup_vs_hf": eagle / hf_speed}
+    by_turn = {}  # turn k of every conversation: median EAGLE over median plain tok/s
+    for k in sorted({r["turn"] for r in per_turn}):
+        rows = [r for r in per_turn if r["turn"] == k]
+        by_turn[str(k)] = (statistics.median(_speed(r, "eagle") for r in rows)
+                           / max(statistics.median(_speed(r, "vanilla") for r in rows), 1e-9))
+    taus = [r["tau"] for r in per_turn if r["tau"] is not None]
     return {
         **hf,
         "tau": mean_accept_length(hist),
+        "tau_median_turn": statistics.median(taus) if taus else None,
         # hist[j]: rounds that emitted j tokens = accepted j - 1 drafts.
         "accept_by_depth": [sum(hist[d + 1:]) / total for d in range(1, depth + 1)],
         "tokens_per_s_vanilla": vanilla, "tokens_per_s_eagle": eagle,
-        "speedup": eagle / max(vanilla, 1e-9),
-        "identical": identical, "prompts": len(conversations), "turns": turns,
-        "new_tokens": tokens, "rounds": rounds, "accept_hist": hist, "fell_back": fell_back,
-        **({"prompt_tokens": prompt_tokens, "reused_prompt_tokens_eagle": reused}
+        "speedup": eagle / max(vanilla, 1e-9), "speedup_by_turn": by_turn,
+        "identical": identical, "prompts": len(conversations), "turns": len(per_turn),
+        "new_tokens": sum(r["new_tokens"] for r in per_turn),
+        "rounds": sum(r["rounds"] for r in per_turn), "accept_hist": hist,
+        "fell_back": sum(r["plain_steps"] > 0 for r in per_turn),
+        **({"prompt_tokens": sum(r["prompt_tokens"] for r in per_turn),
+            "reused_prompt_tokens_eagle": sum(r["reused_prompt_tokens_eagle"] for r in per_turn)}
            if reuse_prefix else {}),
+        "per_turn": per_turn,
     }
+
+
+def _speed(record: dict[str, Any], decoder: str) -> float:
+    """A turn's tokens per second for ``decoder`` ("vanilla", "eagle" or "hf")."""
+    tokens = record["new_tokens" if decoder == "eagle" else f"new_tokens_{decoder}"]
+    seconds = record[f"seconds_{decoder}"]
+    return tokens / max(seconds, 1e-9)
 
 
 def report_table(tasks: dict[str, dict], mean: dict) -> str:

@@ -23,6 +23,9 @@ import jax.numpy as jnp
 # matmul kernel's form for [in, out] weights: the draft head, an untied output head) on a CPU
 # without AVX-512 (``in_out_kernel_preferred``).
 ENV_SWITCH = "EAGLE3_JAX_CPU_KERNEL"
+# "avx2" runs the kernels' AVX2/FMA variants on a CPU with AVX-512 too (read when the library
+# loads: to test and time them there; ``kernels/cpu/parallel.h``).
+ENV_ISA = "EAGLE3_JAX_CPU_KERNEL_ISA"
 FAMILIES = ("matmul", "matmul_in_out", "attention")
 _LIBRARY_STEM = "_cpu_kernels"
 # XLA custom-call target -> the handler symbol in the library.
@@ -75,7 +78,8 @@ def _load() -> tuple[bool, str]:
 @functools.cache
 def in_out_kernel_preferred() -> bool:
     """Whether the matmul kernel's [in, out] form is on by default here: it beats XLA's dot
-    on CPUs with AVX-512, not on AVX2-only ones (``kernels/cpu/rows_matmul.cc``)."""
+    on CPUs with AVX-512, not on AVX2-only ones (``kernels/cpu/rows_matmul.cc``); also whether
+    the kernels run their AVX-512 variants (``ENV_ISA``)."""
     if not kernel_available():
         return False
     return bool(_LIBRARY[0].eagle3_rows_matmul_in_out_preferred())
@@ -135,5 +139,6 @@ def kernel_status() -> str:
     families = [f for f in FAMILIES if kernels_enabled(f)]
     what = {"matmul": "matmuls", "matmul_in_out": "[in, out] matmuls",
             "attention": "cached attention"}
+    isa = "AVX-512" if in_out_kernel_preferred() else "AVX2/FMA"
     return (f"CPU kernels in use for float32 {' and '.join(what[f] for f in families)} of few "
-            f"rows ({detail})")
+            f"rows, {isa} variants ({detail})")

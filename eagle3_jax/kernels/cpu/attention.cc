@@ -393,9 +393,9 @@ __attribute__((target("avx2,fma"))) void AttendTask256(const Problem& p, int64_t
 
 using AttendTaskFn = void (*)(const Problem&, int64_t, std::vector<float>&);
 
-// The widest variant this CPU runs (decided once; the library is used only with AVX2 and FMA).
-const AttendTaskFn kAttendTask =
-    __builtin_cpu_supports("avx512f") ? AttendTask512 : AttendTask256;
+// The widest variant this CPU runs (decided once, parallel.h's UseAvx512; the library is used
+// only with AVX2 and FMA).
+const AttendTaskFn kAttendTask = eagle3::UseAvx512() ? AttendTask512 : AttendTask256;
 
 bool Dims(const ffi::Buffer<ffi::F32>& x, int64_t d0, int64_t d1, int64_t d2, int64_t d3) {
   const auto d = x.dimensions();

@@ -5,6 +5,10 @@
 // the caller returns once every task is done. A helper that starts late finds no task left and
 // exits: it touches only the shared counters, never `fn`, after the caller has returned.
 // EAGLE3_JAX_CPU_KERNEL_THREADS=N caps the threads used (for benchmarks).
+//
+// UseAvx512(): whether the kernels run their AVX-512 variants (on a CPU with AVX-512F, unless
+// EAGLE3_JAX_CPU_KERNEL_ISA=avx2 asks for the AVX2/FMA ones: to test and time those on an
+// AVX-512 machine). Read when the library loads.
 
 #ifndef EAGLE3_JAX_KERNELS_CPU_PARALLEL_H_
 #define EAGLE3_JAX_KERNELS_CPU_PARALLEL_H_
@@ -12,6 +16,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <utility>
 
@@ -32,6 +37,16 @@ inline int64_t ThreadCount(xla::ffi::ThreadPool& pool) {
     if (n >= 1 && n < threads) threads = n;
   }
   return threads;
+}
+
+inline bool UseAvx512() {
+#if defined(__x86_64__)
+  if (!__builtin_cpu_supports("avx512f")) return false;
+  const char* isa = std::getenv("EAGLE3_JAX_CPU_KERNEL_ISA");
+  return isa == nullptr || std::strcmp(isa, "avx2") != 0;
+#else
+  return false;
+#endif
 }
 
 template <typename Fn>

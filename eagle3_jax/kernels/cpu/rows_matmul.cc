@@ -466,16 +466,16 @@ __attribute__((target("avx2,fma"))) void PanelRange(const float* x, int64_t rows
 using OutRangeFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t,
                             int64_t, int64_t);
 
-// The widest variant this CPU runs (decided once).
+// The widest variant this CPU runs (decided once; parallel.h's UseAvx512).
 OutRangeFn SelectOutRange() {
-  if (__builtin_cpu_supports("avx512f")) return OutRange512;
+  if (eagle3::UseAvx512()) return OutRange512;
   return OutRange256<float>;
 }
 
 const OutRangeFn kOutRange = SelectOutRange();
 
 OutRangeFn SelectInOutRange() {
-  if (__builtin_cpu_supports("avx512f")) return InOutRange512;
+  if (eagle3::UseAvx512()) return InOutRange512;
   return InOutRange256;
 }
 
@@ -594,7 +594,7 @@ EAGLE3_MATMUL_HANDLER(Eagle3RowsMatmulBf16, MatmulBf16Impl, ffi::BF16);
 // layer, w = 1: 1.58 ms against 1.93; a whole EAGLE round 1.86 -> 1.68 decode steps).
 extern "C" int eagle3_rows_matmul_in_out_preferred() {
 #if EAGLE3_X86
-  return __builtin_cpu_supports("avx512f") ? 1 : 0;
+  return eagle3::UseAvx512() ? 1 : 0;
 #else
   return 0;
 #endif
