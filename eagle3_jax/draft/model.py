@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.draft.params import is_serving
 from eagle3_jax.kernels import rows_matmul
-from eagle3_jax.model.layers import (attention, attention_with_cache, empty_kv, rms_norm,
-                                     rope_cos_sin, rope_inv_freq, rotate, swiglu, write_kv)
+from eagle3_jax.model.layers import (apply_rope, attention, empty_kv, rms_norm, rope_inv_freq,
+                                     swiglu, write_kv)
 from eagle3_jax.model.params import Params
 
 
@@ -61,13 +61,6 @@ def next_feature(params: Params, cfg: DraftConfig, h: jax.Array) -> jax.Array:
 def project_qkv(params: Params, cfg: DraftConfig, embeds: jax.Array, g: jax.Array,
                 positions: jax.Array):
     """q [B, T, N, H], k, v [B, T, K, H] from the embedding and feature, rotated at positions."""
-    q, k, v, rope = _project_unrotated(params, cfg, embeds, g, positions)
-    return rotate(q, *rope), rotate(k, *rope), v
-
-
-def _project_unrotated(params: Params, cfg: DraftConfig, embeds: jax.Array, g: jax.Array,
-                       positions: jax.Array):
-    """:func:`project_qkv` before RoPE: (q, k, v, (cos, sin) [B, T, H/2] of ``positions``)."""
     x = jnp.concatenate([rms_norm(embeds.astype(g.dtype), params["attn_norm"], cfg.rms_norm_eps),
                          rms_norm(g, params["hidden_norm"], cfg.rms_norm_eps)], axis=-1)
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -79,8 +72,9 @@ def _project_unrotated(params: Params, cfg: DraftConfig, embeds: jax.Array, g: j
     else:
         q, k, v = (rows_matmul(x, params[w].reshape(e, -1), in_out=True)
                    for w in ("wq", "wk", "wv"))
-    return (q.reshape(b, t, n, hd), k.reshape(b, t, kv, hd), v.reshape(b, t, kv, hd),
-            rope_cos_sin(positions, inv_freq))
+    q = apply_rope(q.reshape(b, t, n, hd), positions, inv_freq)
+    k = apply_rope(k.reshape(b, t, kv, hd), positions, inv_freq)
+    return q, k, v.reshape(b, t, kv, hd)
 
 
 def finish_layer(params: Params, cfg: DraftConfig, g: jax.Array, attn: jax.Array) -> jax.Array:
@@ -134,32 +128,10 @@ def draft_step_cached(params: Params, cfg: DraftConfig, embeds: jax.Array, g: ja
       (the next step's feature [B, T', D] (:func:`next_feature`), logits [B, T', Vd], cache_k,
       cache_v).
     """
-    q, k, v, rope = _project_unrotated(params, cfg, embeds, g, positions)
+    q, k, v = project_qkv(params, cfg, embeds, g, positions)
     rows = jnp.arange(k.shape[0])[:, None]
-    if outputs_at is None:
-        # As the target's layers: attention of T new tokens over (the cache, themselves), on
-        # CPU the cached attention kernel, which reads the cache only up to the last slot any
-        # row sees; then the rotated keys are written (after the read: no copy of the cache).
-        past, own = _split_mask(mask, write_slots)
-        attn, k = attention_with_cache(q, k, v, rope, (cache_k, cache_v, past), own)
-        cache_k, cache_v = write_kv(cache_k, cache_v, rows, write_slots, k, v)
-    else:
-        q, k = rotate(q, *rope), rotate(k, *rope)
-        cache_k, cache_v = write_kv(cache_k, cache_v, rows, write_slots, k, v)  # [B, T, K, H]
+    cache_k, cache_v = write_kv(cache_k, cache_v, rows, write_slots, k, v)  # k, v [B, T, K, H]
+    if outputs_at is not None:
         q, g, mask = (a[rows[:, 0], outputs_at][:, None] for a in (q, g, mask))
-        attn = attention(q, [(cache_k, cache_v, mask)])
-    h = finish_layer(params, cfg, g, attn)
+    h = finish_layer(params, cfg, g, attention(q, [(cache_k, cache_v, mask)]))
     return next_feature(params, cfg, h), draft_logits(params, cfg, h), cache_k, cache_v
-
-
-def _split_mask(mask: jax.Array, write_slots: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A mask over the cache after a step's writes, [B, T, S], as (the mask over the cache
-    before them [B, T, S], the mask over the step's own tokens [B, T, T]): token j is at slot
-    ``write_slots[:, j]`` [B, T], or nowhere where that slot is past the cache (dropped)."""
-    b, t, slots = mask.shape
-    rows = jnp.arange(b)[:, None]
-    written = jnp.zeros((b, slots), bool).at[rows, write_slots].set(True, mode="drop")
-    inside = (write_slots >= 0) & (write_slots < slots)  # [B, T]
-    at = jnp.broadcast_to(jnp.clip(write_slots, 0, slots - 1)[:, None, :], (b, t, t))
-    new = jnp.take_along_axis(mask, at, axis=2) & inside[:, None, :]
-    return mask & ~written[:, None, :], new
