@@ -362,4 +362,3 @@ def test_loss_and_gradients_match_an_independent_pytorch_reference(tmp_path, los
     for name, leaf in leaves.items():
         np.testing.assert_allclose(want[name].numpy(), leaf.grad.numpy(), rtol=2e-4, atol=2e-6,
                                    err_msg=name)
-
