@@ -40,9 +40,12 @@ head: model
 	PY=$(PY) bash launch/build_default_head.sh
 
 # One pytest worker per core (pytest-xdist), a test file per worker so module fixtures are
-# built once; PYTEST_WORKERS=0 runs in one process.
+# built once; PYTEST_WORKERS=0 runs in one process. A worker that crashes ends the run (reported
+# with its traceback) rather than being replaced: under --dist loadfile, pytest-xdist 3.8
+# re-queues the dead worker's finished files as empty units and the run then waits forever
+# (pytest-dev/pytest-xdist#1378), which CI sees only as a time-out.
 PYTEST_WORKERS ?= auto
-PYTEST_ARGS := -q -n $(PYTEST_WORKERS) --dist loadfile
+PYTEST_ARGS := -q -n $(PYTEST_WORKERS) --dist loadfile --max-worker-restart=0
 
 # libtpu (what `jax[tpu]` adds) in a folder of its own, not the venv: `python -m eagle3_jax.plan`
 # compiles for TPU topologies with it (tests/test_plan.py); in the venv every JAX process would

@@ -16,19 +16,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # source fresh, and no test run leaves entries in the user's home); tests/test_startup.py turns
 # them on in temporary homes.
 os.environ.setdefault("EAGLE3_JAX_WEIGHTS_CACHE", "0")
-# One compilation cache for the whole run, in a temporary directory that the first pytest
-# process makes and removes: its xdist workers and the CLIs the tests start inherit it, so a
-# program compiled by one of them (the SmolLM2 prefill, a decoding loop) is read by the others.
-# JAX keys entries by the program, so a hit is the same executable. EAGLE3_JAX_COMPILE_CACHE=0
-# turns it off.
-if "EAGLE3_JAX_COMPILE_CACHE" not in os.environ:
-    import atexit
-    import shutil
-    import tempfile
-
-    _xla_dir = tempfile.mkdtemp(prefix="eagle3_jax_test_xla_")
-    os.environ["EAGLE3_JAX_COMPILE_CACHE"] = _xla_dir
-    atexit.register(shutil.rmtree, _xla_dir, ignore_errors=True)
+# JAX's persistent compilation cache stays off in the test processes and the CLIs they start
+# (tests/test_startup.py turns it on in temporary homes). Shared across the xdist workers, it
+# cost two full runs on a 2-core AVX-512 machine a worker to a segmentation fault; the one
+# traceback kept was inside JAX's cache write (`compilation_cache.put_executable_and_time`,
+# serializing a freshly compiled executable). Not reproduced outside the suite (60 programs
+# holding the package's kernels compiled and written in one process ran clean).
+# EAGLE3_JAX_COMPILE_CACHE=<dir> turns it back on for a run (every process then reads and
+# writes that directory).
+os.environ.setdefault("EAGLE3_JAX_COMPILE_CACHE", "0")
 
 from eagle3_jax.compile_cache import enable_compile_cache  # noqa: E402
 
