@@ -9,6 +9,7 @@ dequantizes 272 tensors and takes ~15 s on two cores.
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -17,13 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # them on in temporary homes.
 os.environ.setdefault("EAGLE3_JAX_WEIGHTS_CACHE", "0")
 # JAX's persistent compilation cache stays off in the test processes and the CLIs they start
-# (tests/test_startup.py turns it on in temporary homes). Shared across the xdist workers, it
-# cost two full runs on a 2-core AVX-512 machine a worker to a segmentation fault; the one
-# traceback kept was inside JAX's cache write (`compilation_cache.put_executable_and_time`,
-# serializing a freshly compiled executable). Not reproduced outside the suite (60 programs
-# holding the package's kernels compiled and written in one process ran clean).
-# EAGLE3_JAX_COMPILE_CACHE=<dir> turns it back on for a run (every process then reads and
-# writes that directory).
+# (tests/test_startup.py turns it on in temporary homes): shared across the xdist workers it
+# saved no time (a full run on a 2-core AVX-512 machine: 1455 s for 702 tests with it, 1103 s
+# for the first 652 without). EAGLE3_JAX_COMPILE_CACHE=<dir> turns it on for a run (every
+# process then reads and writes that directory).
 os.environ.setdefault("EAGLE3_JAX_COMPILE_CACHE", "0")
 
 from eagle3_jax.compile_cache import enable_compile_cache  # noqa: E402
@@ -31,6 +29,36 @@ from eagle3_jax.compile_cache import enable_compile_cache  # noqa: E402
 enable_compile_cache()
 
 import pytest  # noqa: E402
+
+
+def _mapped_regions() -> int:
+    """Memory mappings of this process (Linux), 0 where /proc is absent."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs():
+    """After each test file, drop JAX's caches of traced and compiled programs (and collect
+    what only they held). Every compiled CPU program keeps its machine code in memory mappings
+    of its own, and an xdist worker runs many files: without this, a worker of the full suite
+    reached Linux's limit of 65530 mappings per process (``vm.max_map_count``), the next
+    compilation failed to map its code, and raising that error crashed the worker (a
+    segmentation fault unwinding the C++ exception). EAGLE3_JAX_TEST_MAPS=1 (with ``-s``)
+    prints each file's mappings before and after."""
+    yield
+    import gc
+
+    import jax
+
+    before = _mapped_regions()
+    jax.clear_caches()
+    gc.collect()
+    if os.environ.get("EAGLE3_JAX_TEST_MAPS"):
+        print(f"\n[maps: {before} -> {_mapped_regions()}]", file=sys.stderr)
 
 
 @pytest.fixture(scope="session")
