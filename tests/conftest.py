@@ -8,6 +8,7 @@ dequantizes 272 tensors and takes ~15 s on two cores.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -50,14 +51,13 @@ def _free_compiled_programs():
     segmentation fault unwinding the C++ exception). EAGLE3_JAX_TEST_MAPS=1 (with ``-s``)
     prints each file's mappings before and after."""
     yield
-    import gc
-
     import jax
 
-    before = _mapped_regions()
+    show = os.environ.get("EAGLE3_JAX_TEST_MAPS")
+    before = _mapped_regions() if show else 0
     jax.clear_caches()
     gc.collect()
-    if os.environ.get("EAGLE3_JAX_TEST_MAPS"):
+    if show:
         print(f"\n[maps: {before} -> {_mapped_regions()}]", file=sys.stderr)
 
 

@@ -18,19 +18,13 @@ from pathlib import Path
 import pytest
 
 from eagle3_jax.kernels.library import ENV_ISA
+from cpu_features import has_avx512
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _has_avx512() -> bool:
-    try:  # as test_rows_matmul reads it
-        return "avx512f" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(not (platform.machine() in ("x86_64", "AMD64") and shutil.which("c++")
-                         and _has_avx512()),
+                         and has_avx512()),
                     reason="needs an x86-64 CPU with AVX-512 and the built kernels")
 def test_the_avx2_variants_pass_the_kernel_tests():
     env = dict(os.environ, **{ENV_ISA: "avx2"})
