@@ -383,13 +383,27 @@ __attribute__((target("avx2,fma"))) void InOutRange256(const float* x, int64_t r
 // What made the difference streaming from memory: while a panel is used, the next one is
 // prefetched a line at a time, spread evenly over all the passes over this one, so the
 // weights' memory traffic overlaps the arithmetic of every pass rather than stalling the
-// first. The 121 matrices of a SmolLM2 forward on that machine (2 threads, ms, 3 x 4 dot form
-// -> panels): T = 1 21.0 -> 20.2, 8 24.9 -> 21.9, 16 40.5 -> 27.4, 64 134.6 -> 99.7 (173
-// GFLOP/s, the machine's measured matmul peak is ~179).
+// first. The prefetches go to L2 (`kPanelPrefetchHint`), not L1: a panel (16 x in floats: 36 KB
+// for in = 576, 96 KB for 1536) is larger than a 32 KB L1, so with more than one pass the
+// current panel is re-read from L2, and prefetching the next one into L1 made those re-reads
+// wait behind the memory traffic: compute and streaming ran one after the other, not together.
+// On a 2-core AMD EPYC with AVX-512 (Zen 4), the 121 matrices alone, T = 8 (2 passes of 4
+// rows), medians of 15 interleaved calls, ms, L1 -> L2: 26.2 -> 18.7 on 2 threads (T = 1
+// 18.0 -> 18.2, the floor), 47 -> 28 on one; the whole forward 31.9 -> 22.7 (T = 16 33.9 ->
+// 32.2, T = 1 20.2 -> 20.6: noise). The AVX2-only EPYC's numbers below were measured with L1
+// prefetches (`-DEAGLE3_PANEL_PREFETCH_HINT=_MM_HINT_T0` builds that form, to compare there):
+// the 121 matrices of a SmolLM2 forward (2 threads, ms, 3 x 4 dot form -> panels): T = 1
+// 21.0 -> 20.2, 8 24.9 -> 21.9, 16 40.5 -> 27.4, 64 134.6 -> 99.7 (173 GFLOP/s, the machine's
+// measured matmul peak is ~179).
 // Every y[m, o] is one float32 FMA chain over i in order, whatever the number of rows or the
 // block a row falls in: bit-identical whatever the rows of the call (as the forms above).
-// AVX2 + FMA only: it runs on AVX-512 CPUs too, unmeasured there.
+// AVX2 + FMA only: it runs on AVX-512 CPUs too (a 12-row form with AVX-512VL's 32 registers,
+// one pass for 8 rows, was no faster there, measured with L1 prefetches).
 constexpr int kPanel = 16, kPanelRows = 6;
+#ifndef EAGLE3_PANEL_PREFETCH_HINT
+#define EAGLE3_PANEL_PREFETCH_HINT _MM_HINT_T1
+#endif
+constexpr auto kPanelPrefetchHint = EAGLE3_PANEL_PREFETCH_HINT;
 // More rows than this are done in chunks, each streaming the panels of its range again, so
 // that a chunk's x (<= 64 rows) stays in L2 while the panels stream.
 constexpr int64_t kPanelRowChunk = 64;
@@ -409,7 +423,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void MicroPanel(
   do {
     const float* wi = w + i * kPanel;
     const __m256 w0 = _mm256_loadu_ps(wi), w1 = _mm256_loadu_ps(wi + 8);
-    _mm_prefetch(prefetch + (ahead >> 10) * 64, _MM_HINT_T0);
+    _mm_prefetch(prefetch + (ahead >> 10) * 64, kPanelPrefetchHint);
     ahead += prefetch_step;
     for (int m = 0; m < RM; ++m) {
       const __m256 xb = _mm256_broadcast_ss(x + m * ldx + i);
