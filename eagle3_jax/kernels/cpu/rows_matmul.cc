@@ -391,7 +391,7 @@ __attribute__((target("avx2,fma"))) void InOutRange256(const float* x, int64_t r
 // rows), medians of 15 interleaved calls, ms, L1 -> L2: 26.2 -> 18.7 on 2 threads (T = 1
 // 18.0 -> 18.2, the floor), 47 -> 28 on one; the whole forward 31.9 -> 22.7 (T = 16 33.9 ->
 // 32.2, T = 1 20.2 -> 20.6: noise). The AVX2-only EPYC's numbers below were measured with L1
-// prefetches (`-DEAGLE3_PANEL_PREFETCH_HINT=_MM_HINT_T0` builds that form, to compare there):
+// prefetches (`CPPFLAGS=-DEAGLE3_PANEL_PREFETCH_HINT=_MM_HINT_T0` builds that form there):
 // the 121 matrices of a SmolLM2 forward (2 threads, ms, 3 x 4 dot form -> panels): T = 1
 // 21.0 -> 20.2, 8 24.9 -> 21.9, 16 40.5 -> 27.4, 64 134.6 -> 99.7 (173 GFLOP/s, the machine's
 // measured matmul peak is ~179).
