@@ -34,3 +34,44 @@ def enable_compile_cache(directory: str | Path | None = None) -> Path | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+# Each compiled CPU program keeps its machine code in memory mappings of its own, and Linux
+# lets a process hold at most vm.max_map_count of them (65530 by default). A process that
+# compiles program after program (a long benchmark, a server seeing many batch shapes) reaches
+# it, the next compilation cannot map its code, and XLA crashes raising that failure (a
+# segmentation fault while unwinding; an xdist worker of the test suite did, stop 26). Long-lived
+# compiling code checks ``near_mapping_limit()`` before compiling and drops compiled programs.
+MAPPINGS_HIGH_WATER = 0.8  # of vm.max_map_count
+
+
+def memory_mappings() -> tuple[int, int] | None:
+    """(memory mappings this process holds, the most Linux lets it hold), or None where /proc
+    does not say (not Linux)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            count = sum(1 for _ in maps)
+        with open("/proc/sys/vm/max_map_count") as limit_file:
+            limit = int(limit_file.read())
+    except (OSError, ValueError):
+        return None
+    return count, limit
+
+
+def near_mapping_limit(high_water: float = MAPPINGS_HIGH_WATER) -> tuple[int, int] | None:
+    """:func:`memory_mappings` where the count is above ``high_water`` of the limit, else None."""
+    mappings = memory_mappings()
+    if mappings is None or mappings[0] <= high_water * mappings[1]:
+        return None
+    return mappings
+
+
+def drop_compiled_programs() -> None:
+    """Drop JAX's caches of traced and compiled programs and collect what only they held (their
+    memory mappings with them); the next call of each function compiles again."""
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()

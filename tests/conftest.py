@@ -8,7 +8,6 @@ dequantizes 272 tensors and takes ~15 s on two cores.
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 
@@ -25,7 +24,8 @@ os.environ.setdefault("EAGLE3_JAX_WEIGHTS_CACHE", "0")
 # process then reads and writes that directory).
 os.environ.setdefault("EAGLE3_JAX_COMPILE_CACHE", "0")
 
-from eagle3_jax.compile_cache import enable_compile_cache  # noqa: E402
+from eagle3_jax.compile_cache import (drop_compiled_programs, enable_compile_cache,  # noqa: E402
+                                      memory_mappings)
 
 enable_compile_cache()
 
@@ -34,11 +34,8 @@ import pytest  # noqa: E402
 
 def _mapped_regions() -> int:
     """Memory mappings of this process (Linux), 0 where /proc is absent."""
-    try:
-        with open("/proc/self/maps") as maps:
-            return sum(1 for _ in maps)
-    except OSError:
-        return 0
+    mappings = memory_mappings()
+    return mappings[0] if mappings else 0
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,12 +48,9 @@ def _free_compiled_programs():
     segmentation fault unwinding the C++ exception). EAGLE3_JAX_TEST_MAPS=1 (with ``-s``)
     prints each file's mappings before and after."""
     yield
-    import jax
-
     show = os.environ.get("EAGLE3_JAX_TEST_MAPS")
     before = _mapped_regions() if show else 0
-    jax.clear_caches()
-    gc.collect()
+    drop_compiled_programs()
     if show:
         print(f"\n[maps: {before} -> {_mapped_regions()}]", file=sys.stderr)
 

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3_jax.compile_cache import drop_compiled_programs, memory_mappings, near_mapping_limit
 from eagle3_jax.decoding import driver
 from eagle3_jax.decoding.acceptance import mean_accept_length
 from eagle3_jax.decoding.batching import PaddedPrompts, pad_prompts
@@ -82,7 +83,11 @@ class Generation:
 class CompileCache:
     """Compiled generate functions keyed by everything static about a call.
 
-    ``log(message)`` reports each compilation and its time.
+    ``log(message)`` reports each compilation and its time. Before compiling, where the process
+    is near Linux's limit on memory mappings (each compiled program holds some of its own:
+    ``eagle3_jax.compile_cache.near_mapping_limit``), every compiled program is dropped first
+    (these and JAX's own) and the next call of each compiles again, instead of the compilation
+    failing to map its code.
     """
 
     def __init__(self, log: Callable[[str], None] = lambda message: None):
@@ -93,11 +98,24 @@ class CompileCache:
             compile_fn: Callable[[], Callable]) -> Callable:
         run = self._compiled.get(key)
         if run is None:
+            self._make_room()
             start = time.perf_counter()
             run = self._compiled[key] = compile_fn()
             self._log(f"[compiled {what} for batch {shape[0]} x {shape[1]} prompt slots in "
                       f"{time.perf_counter() - start:.1f} s]")
         return run
+
+    def _make_room(self) -> None:
+        near = near_mapping_limit()
+        if near is None:
+            return
+        self._compiled.clear()
+        drop_compiled_programs()
+        after = memory_mappings()
+        self._log(f"[{near[0]} memory mappings of the {near[1]} this process may hold "
+                  f"(vm.max_map_count), most of them compiled programs: dropped every compiled "
+                  f"program ({after[0] if after else '?'} mappings now); each shape compiles "
+                  f"again]")
 
 
 class PlainDecoder:
