@@ -4,7 +4,11 @@ A second start of the decoder finds its compiled prefill, decode step and genera
 instead of compiling them again (seconds each on a CPU). JAX keys every entry by the program,
 the backend, the devices and the JAX/XLA versions, so a stale entry is never used. Turn it off
 with ``EAGLE3_JAX_COMPILE_CACHE=0`` (or the decoder's ``--no-cache``); set it to a directory to
-keep the entries there instead (the test suite shares one such directory across its processes).
+keep the entries there instead (the test suite keeps it off unless given a directory).
+
+Compiled programs in memory: ``memory_mappings`` / ``near_mapping_limit`` say how close this
+process is to Linux's limit on memory mappings (each compiled program holds some), and
+``drop_compiled_programs`` frees them (the decoders' compile cache does so near the limit).
 """
 
 from __future__ import annotations
