@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3_jax.bench.common import machine_description, markdown_table, write_json
+from eagle3_jax.compile_cache import drop_compiled_programs
 from eagle3_jax.decoding.costs import LOOP_STEPS, forward_curve, interleaved_medians
 from eagle3_jax.model.params import param_bytes
 
@@ -135,12 +136,12 @@ def curves_by_kernel(params, cfg, context: int, sizes, repeats: int, rounds: int
             for mode in modes:
                 switch, mode_params = settings[mode]
                 rm.set_kernel_enabled(switch)
-                jax.clear_caches()
+                drop_compiled_programs()  # re-trace under the switch; free the last mode's code
                 samples[mode].append(forward_curve(mode_params, cfg, context, sizes, repeats,
                                                    loop_steps=LOOP_STEPS))
     finally:
         rm.set_kernel_enabled(previous)
-        jax.clear_caches()
+        drop_compiled_programs()
     return {mode: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
             for mode, runs in samples.items()}
 
