@@ -219,7 +219,8 @@ def oracle_proposer(target_params, head, state, cfg, tree_cfg):
     wrong = (chain[:, [i % depth for i in range(siblings)]] + 1) % cfg.vocab_size
     tokens = jnp.concatenate([state.root[:, None], chain, wrong], axis=1)
     parents = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
-    return tree_from_parents(tokens.astype(jnp.int32), parents, depth)
+    tree = tree_from_parents(tokens.astype(jnp.int32), parents, depth)
+    return tree, state.draft_k, state.draft_v
 
 
 @pytest.mark.parametrize("tree", [TreeConfig.chain(3), TreeConfig(tree_top_k=2, depth=3,
@@ -283,7 +284,7 @@ def test_tree_invariants(models, tree):
                          tree_cfg=tree_cfg, sampling=SamplingParams(), eos_token_ids=(),
                          max_new_tokens=16, max_len=64)
     propose = jax.jit(eagle_mod.draft_proposer, static_argnames=("cfg", "tree_cfg"))
-    t = jax.device_get(propose(params, head, state, cfg=cfg, tree_cfg=tree_cfg))
+    t = jax.device_get(propose(params, head, state, cfg=cfg, tree_cfg=tree_cfg)[0])
     state = jax.device_get(state)
     parents, depths = np.asarray(t.parents), np.asarray(t.depths)
     n = tree_cfg.total_tokens

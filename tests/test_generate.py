@@ -437,3 +437,10 @@ def test_greedy_argmax_is_the_first_index_of_the_maximum():
     wide = rng.standard_normal((4, 49152)).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(greedy_argmax(jnp.asarray(wide))),
                                   np.argmax(wide, axis=-1))
+    # Read in chunks of 256 (49152) or 8 (200 above), or whole (199: no chunk divides it); ties
+    # across chunks and within the first chunk holding the top.
+    for vocab in (49152, 199):
+        ties = rng.integers(-40, 3, size=(2, 3, vocab)).astype(np.float32)
+        ties[1, 1, vocab - 1] = 9.0  # the top in the last chunk only
+        got = np.asarray(jax.jit(greedy_argmax)(jnp.asarray(ties)))
+        np.testing.assert_array_equal(got, np.argmax(ties, axis=-1))

@@ -194,7 +194,8 @@ def _prefill(target_params, head: DraftHead, prompt_tokens, prompt_lengths, key,
 
 def draft_proposer(target_params, head: DraftHead, state: EagleState, cfg: TargetConfig,
                    tree_cfg: TreeConfig):
-    """The EAGLE-3 head's dynamic tree (the default ``proposer`` of a round)."""
+    """The EAGLE-3 head's dynamic tree (the default ``proposer`` of a round), with the draft
+    caches it wrote its frontiers into (:func:`eagle3_jax.decoding.tree.build_tree`)."""
     return build_tree(head.params, head.cfg, head.vocab, target_params["embed"], tree_cfg,
                       state.root, state.root_logp, state.root_h, state.draft_k, state.draft_v,
                       state.cache.end)
@@ -204,15 +205,17 @@ def _round(target_params, head: DraftHead, state: EagleState, *, cfg: TargetConf
            tree_cfg: TreeConfig, sampling, eos_token_ids, proposer=draft_proposer) -> EagleState:
     """One draft-verify-accept-commit round for every row that is not done.
 
-    ``proposer(target_params, head, state, cfg, tree_cfg) -> DraftTree`` makes the tree; tests
-    substitute oracles (a draft that knows the target's continuation) to exercise acceptance.
+    ``proposer(target_params, head, state, cfg, tree_cfg) -> (DraftTree, draft_k, draft_v)``
+    makes the tree and returns the draft caches to go on from (their slots from ``end`` on are
+    scratch); tests substitute oracles (a draft that knows the target's continuation, caches
+    untouched) to exercise acceptance.
     """
     b = state.root.shape[0]
     rows = jnp.arange(b)[:, None]
     active = ~state.out.done
     end = state.cache.end
     embed = target_params["embed"]
-    tree = proposer(target_params, head, state, cfg, tree_cfg)
+    tree, draft_k, draft_v = proposer(target_params, head, state, cfg, tree_cfg)
     logits, cache, taps = verify_forward(target_params, cfg, tree, state.cache,
                                          head.cfg.tap_layers)
     step = state.step + 1
@@ -228,7 +231,7 @@ def _round(target_params, head: DraftHead, state: EagleState, *, cfg: TargetConf
                            jnp.where(j == acc.num_accepted[:, None], acc.bonus[:, None], -1))
     path_taps = jnp.take_along_axis(taps, jnp.maximum(acc.path, 0)[:, :, None], axis=1)
     root_h, root_logp, draft_k, draft_v = _draft_extend(
-        head, embed, path_taps, new_tokens, count, state.draft_k, state.draft_v, end)
+        head, embed, path_taps, new_tokens, count, draft_k, draft_v, end)
     out = append_tokens(state.out, new_tokens, count, active, eos_token_ids)
     # The round's acceptance length is what it emitted: an EOS and tokens past max_new_tokens
     # are verified but not emitted, so not counted (new tokens / rounds, as everywhere).

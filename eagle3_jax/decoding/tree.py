@@ -128,7 +128,7 @@ def build_tree(
     cache_k: jax.Array,
     cache_v: jax.Array,
     end: jax.Array,
-) -> DraftTree:
+) -> tuple[DraftTree, jax.Array, jax.Array]:
     """Grow the draft tree for every row.
 
     Args:
@@ -141,7 +141,11 @@ def build_tree(
         context.
       end: [B] committed draft context length (the root's draft position is end - 1).
     Returns:
-      DraftTree with N = total_tokens nodes (candidate scratch slots are not returned).
+      (DraftTree with N = total_tokens nodes, cache_k, cache_v): the caches hold the frontiers'
+      entries at slots [end, end + (depth - 1) * tree_top_k), scratch that no later read sees
+      (the next writes at ``end`` overwrite them; masks hide slots >= end from every query
+      before its own entry). Handing them on lets XLA update the caches in place instead of
+      copying them every round.
     """
     k, depth = tree_cfg.tree_top_k, tree_cfg.depth
     b = root_tokens.shape[0]
@@ -200,4 +204,5 @@ def build_tree(
     tokens = jnp.concatenate([root_tokens[:, None],
                               jnp.take_along_axis(cand_tokens, chosen, axis=1)], axis=1)
     parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], axis=1)
-    return tree_from_parents(tokens.astype(jnp.int32), parents.astype(jnp.int32), depth)
+    tree = tree_from_parents(tokens.astype(jnp.int32), parents.astype(jnp.int32), depth)
+    return tree, cache_k, cache_v

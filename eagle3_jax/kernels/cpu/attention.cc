@@ -180,8 +180,8 @@ EAGLE3_INLINE void AddScores(const float* k, int64_t ld_k, const float* const* q
     V kv[SV];
     for (int v = 0; v < SV; ++v) kv[v] = Load<C>(k + h * ld_k + v * L);
     for (int r = 0; r < R; ++r) {
-      const V qh = Splat<C>(q[r][h]);
-      for (int v = 0; v < SV; ++v) a[r][v] += qh * kv[v];
+      const float qh = q[r][h];  // scalar x vector: one vbroadcastss from memory (Splat's
+      for (int v = 0; v < SV; ++v) a[r][v] += qh * kv[v];  // 0 + x adds a vaddss before it)
     }
   }
   for (int r = 0; r < R; ++r)
@@ -332,7 +332,7 @@ EAGLE3_INLINE void AttendRows(const Problem& p, int64_t b, int64_t kh, int64_t r
           V vs[VC];
           for (int v = 0; v < VC; ++v) vs[v] = Load<C>(vals + s * ld_v + (v0 + v) * L);
           for (int r = 0; r < PR; ++r) {
-            const V wr = Splat<C>(w[rp + r][col0 + s]);
+            const float wr = w[rp + r][col0 + s];  // broadcast from memory, as above
             for (int v = 0; v < VC; ++v) a[r][v] += wr * vs[v];
           }
         }
