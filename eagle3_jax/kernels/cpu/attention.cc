@@ -52,6 +52,9 @@ typedef int32_t vi16 __attribute__((vector_size(64)));
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf8_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
 typedef int32_t vi8 __attribute__((vector_size(32)));
+// A vector's worth of mask bytes (bool is one byte, 0 or 1), unaligned.
+typedef uint8_t vb16 __attribute__((vector_size(16), aligned(1), may_alias));
+typedef uint8_t vb8 __attribute__((vector_size(8), aligned(1), may_alias));
 
 // Register blocking per vector width, so that the accumulators stay in registers.
 //   kScoreRows x kScoreVecs: query rows x vectors of slots scored together (accumulators);
@@ -61,6 +64,7 @@ struct Wide {
   typedef vf16 V;
   typedef vf16_unaligned VU;
   typedef vi16 VI;
+  typedef vb16 VB;
   static constexpr int kLanes = 16, kScoreRows = 4, kScoreVecs = 4, kValueAcc = 0;  // 0: all H
 };
 // AVX2 (16 registers of 8 lanes): 4 rows x 16 slots (8 accumulators + 2 keys + 1 query);
@@ -71,6 +75,7 @@ struct Narrow {
   typedef vf8 V;
   typedef vf8_unaligned VU;
   typedef vi8 VI;
+  typedef vb8 VB;
   static constexpr int kLanes = 8, kScoreRows = 4, kScoreVecs = 2, kValueAcc = 8;
 };
 
@@ -151,9 +156,14 @@ struct Problem {
   int64_t task_rows() const { return (rows() + row_blocks() - 1) / row_blocks(); }
 };
 
-// 1 + the last slot among [0, slots) that mask row `m` marks, or 0.
+// 1 + the last slot among [0, slots) that mask row `m` marks, or 0: 8 slots a step while all
+// are hidden, then one at a time.
 EAGLE3_INLINE int64_t VisibleEnd(const bool* m, int64_t slots) {
   int64_t s = slots;
+  for (uint64_t word = 0; s >= 8; s -= 8) {
+    std::memcpy(&word, m + s - 8, 8);
+    if (word != 0) break;
+  }
   while (s > 0 && !m[s - 1]) --s;
   return s;
 }
@@ -197,8 +207,8 @@ EAGLE3_INLINE typename C::V MaskedScale(float* row, const bool* seen, int64_t n,
   constexpr int L = C::kLanes;
   int64_t s = 0;
   for (; s + L <= n; s += L) {
-    VI on;
-    for (int i = 0; i < L; ++i) on[i] = seen[s + i];
+    const VI on = __builtin_convertvector(*reinterpret_cast<const typename C::VB*>(seen + s),
+                                          VI);  // one vpmovzxbd
     const V x = Load<C>(row + s);
     const V y = on != 0 ? x / scale : Splat<C>(kNegInf);
     Store<C>(row + s, y);
