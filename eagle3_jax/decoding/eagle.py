@@ -7,9 +7,10 @@ Each round (all on device, static shapes, no host round trip):
   2. ``verify_forward``: one target forward over the tree with the ancestor mask, returning
      logits and the three taps at every node.
   3. ``accept``: the longest accepted path and the target's bonus token (greedy or sampled).
-  4. ``commit_path``: the accepted KV entries move to contiguous slots; the draft catches up on
-     the accepted tokens with the target's taps (its cache is extended by the same count), which
-     also yields the next root's draft logits.
+  4. ``commit_path``: the accepted path's KV entries are written at contiguous slots (the
+     verification forward writes none); the draft catches up on the accepted tokens with the
+     target's taps (its cache is extended by the same count), which also yields the next root's
+     draft logits.
 
 Invariant between rounds: the target cache and the draft cache hold the same ``end`` n. The
 target holds x_0..x_{n-1}; the draft holds pairs (f_s, x_{s+1}) for s < n, where x_n is the
@@ -216,11 +217,11 @@ def _round(target_params, head: DraftHead, state: EagleState, *, cfg: TargetConf
     end = state.cache.end
     embed = target_params["embed"]
     tree, draft_k, draft_v = proposer(target_params, head, state, cfg, tree_cfg)
-    logits, cache, taps = verify_forward(target_params, cfg, tree, state.cache,
-                                         head.cfg.tap_layers)
+    logits, new_kv, taps = verify_forward(target_params, cfg, tree, state.cache,
+                                          head.cfg.tap_layers)
     step = state.step + 1
     acc = accept(jax.random.fold_in(state.key, step), tree, logits, sampling, tree_cfg.tree_top_k)
-    cache = commit_path(cache, acc.path, active)
+    cache = commit_path(state.cache, new_kv, acc.path, active)
     count = acc.num_accepted + 1  # accepted drafts + the bonus token
     # Emitted this round: path tokens after the root, then the bonus token.
     path_tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(acc.path, 0), axis=1)  # [B, W]

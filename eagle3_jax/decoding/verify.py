@@ -1,4 +1,4 @@
-"""Tree verification: one target forward over the tree, the acceptance walk, KV compaction.
+"""Tree verification: one target forward over the tree, the acceptance walk, the path's KV write.
 
 Acceptance (reference §5) walks down from the root. At each level the node's children are
 tried in tree order; child x is accepted with probability p(x), where p is the target's
@@ -23,7 +23,7 @@ from flax import struct
 from eagle3_jax.decoding.sampling import SamplingParams, greedy_argmax, probs
 from eagle3_jax.decoding.tree import DraftTree
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.layers import read_kv, write_kv
+from eagle3_jax.model.layers import write_kv
 from eagle3_jax.model.params import Params
 from eagle3_jax.model.target import KVCache, forward
 
@@ -39,14 +39,18 @@ def tree_attention_mask(tree: DraftTree, end: jax.Array, max_len: int) -> jax.Ar
 
 def verify_forward(params: Params, cfg: TargetConfig, tree: DraftTree, cache: KVCache,
                    tap_layers):
-    """Target forward over all N tree tokens at positions end + depth, written at end + index.
+    """Target forward over all N tree tokens at positions end + depth, each seeing the cache and
+    its ancestors. The cache is not written: :func:`commit_path` writes the accepted path's
+    entries only (the tree's whole block, written and then compacted, cost two more scatters a
+    layer).
 
-    Returns (logits [B, N, V], cache with the tree's keys written, taps [B, N, 3D]).
+    Returns (logits [B, N, V], new_kv: per layer keys and values [B, N, K, H], taps [B, N, 3D]).
     """
     positions = cache.end[:, None] + tree.depths
     mask = tree_attention_mask(tree, cache.end, cache.max_len)
-    out = forward(params, cfg, tree.tokens, positions, mask, cache, tap_layers=tap_layers)
-    return out.logits, out.cache, out.taps
+    out = forward(params, cfg, tree.tokens, positions, mask, cache, tap_layers=tap_layers,
+                  write_cache=False)
+    return out.logits, out.new_kv, out.taps
 
 
 @struct.dataclass
@@ -121,20 +125,20 @@ def _accept_greedy(tree: DraftTree, best: jax.Array) -> Acceptance:
                       bonus=best[rows, node])
 
 
-def commit_path(cache: KVCache, path: jax.Array, active: jax.Array) -> KVCache:
-    """Move the accepted path's KV entries to contiguous slots and advance ``end``.
+def commit_path(cache: KVCache, new_kv, path: jax.Array, active: jax.Array) -> KVCache:
+    """Write the accepted path's KV entries at contiguous slots and advance ``end``.
 
-    The tree was written at slots end + tree index; path [B, P] lists the accepted tree indices
-    root-first (-1 past the end). Entry j moves from end + path[j] to end + j. Rows not
-    ``active`` keep their cache end.
+    new_kv: (keys, values), per layer [B, N, K, H] at tree index (:func:`verify_forward`);
+    path [B, P] lists the accepted tree indices root-first (-1 past the end). Entry path[j] is
+    written at slot end + j. Rows not ``active`` keep their cache end.
     """
     b, width = path.shape
     rows = jnp.arange(b)[:, None]
     valid = path >= 0
-    src = cache.end[:, None] + jnp.maximum(path, 0)
+    src = jnp.maximum(path, 0)
     dst = jnp.where(valid, cache.end[:, None] + jnp.arange(width)[None, :], cache.max_len)
-    moved = [write_kv(k, v, rows, dst, *read_kv(k, v, rows, src))
-             for k, v in zip(cache.k, cache.v)]
+    moved = [write_kv(k, v, rows, dst, nk[rows, src], nv[rows, src])
+             for k, v, nk, nv in zip(cache.k, cache.v, *new_kv)]
     k, v = (tuple(layers) for layers in zip(*moved))
     new_end = cache.end + jnp.where(active, jnp.sum(valid, axis=1), 0).astype(jnp.int32)
     return dataclasses.replace(cache, k=k, v=v, end=new_end)

@@ -81,11 +81,6 @@ def resize_kv(k: jax.Array, v: jax.Array, slots: int) -> tuple[jax.Array, jax.Ar
     return fit(k, 3), fit(v, 2)
 
 
-def read_kv(k: jax.Array, v: jax.Array, rows: jax.Array, slots: jax.Array):
-    """Keys and values at ``slots`` [B, T] of ``rows`` [B, 1], each as [B, T, K, H] blocks."""
-    return k[rows, :, :, slots], v[rows, :, slots]
-
-
 def write_kv(k: jax.Array, v: jax.Array, rows: jax.Array, slots: jax.Array, new_k: jax.Array,
              new_v: jax.Array):
     """Write [B, T, K, H] blocks at ``slots`` [B, T] of ``rows`` [B, 1]; slots past the end are

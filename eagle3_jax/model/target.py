@@ -68,6 +68,7 @@ class ForwardOutput:
     cache: KVCache | None
     taps: jax.Array | None  # [B, T, len(tap_layers) * D]: hidden states entering those layers
     hidden: jax.Array  # [B, T, D] final hidden state after the last norm
+    new_kv: tuple | None = None  # (keys, values): per layer [B, T, K, H], with write_cache=False
 
 
 def causal_mask(cache_end: jax.Array, num_new: int, max_len: int) -> jax.Array:
@@ -159,6 +160,7 @@ def forward(
     logit_positions: jax.Array | None = None,
     compute_logits: bool = True,
     cache_is_empty: bool = False,
+    write_cache: bool = True,
 ) -> ForwardOutput:
     """Run the target, in the serving layout, over T new tokens.
 
@@ -178,6 +180,8 @@ def forward(
         cache block, which would be fully masked. Results are the same; XLA is spared
         constant-folding a fully masked [B, K, G*T, S] block, which takes seconds of compile
         time for long prompts.
+      write_cache: False leaves the cache as it was and returns the new keys and values in
+        ``new_kv`` instead (tree verification writes only the accepted path's).
     Returns:
       ForwardOutput with float32 logits, the updated cache, taps and the final hidden state.
     Raises:
@@ -206,8 +210,10 @@ def forward(
         new_k.append(k)
         new_v.append(v)
     out = _finish(params, cfg, h, taps, logit_positions, compute_logits)
-    if cache is not None:
+    if cache is not None and write_cache:
         out = dataclasses.replace(out, cache=_write_cache(cache, new_k, new_v, after=out.hidden))
+    elif cache is not None:
+        out = dataclasses.replace(out, cache=cache, new_kv=(tuple(new_k), tuple(new_v)))
     return out
 
 
