@@ -84,18 +84,19 @@ def greedy_argmax(logits: jax.Array) -> jax.Array:
     top = jnp.max(logits, axis=-1, keepdims=True)
     chunk = next((c for c in (256, 128, 64, 32, 16, 8) if vocab % c == 0 and vocab > c), None)
     if chunk is None:
-        index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-        first = jnp.min(jnp.where(logits == top, index, vocab), axis=-1)
-        return jnp.minimum(first, vocab - 1)
+        return jnp.minimum(_first_holding(logits, top), vocab - 1)
     chunks = vocab // chunk
     rows = logits.reshape(logits.shape[:-1] + (chunks, chunk))
-    chunk_max = jnp.max(rows, axis=-1)  # [..., chunks]
-    index = jax.lax.broadcasted_iota(jnp.int32, chunk_max.shape, chunk_max.ndim - 1)
-    at = jnp.minimum(jnp.min(jnp.where(chunk_max == top, index, chunks), axis=-1), chunks - 1)
+    at = jnp.minimum(_first_holding(jnp.max(rows, axis=-1), top), chunks - 1)
     held = jnp.take_along_axis(rows, at[..., None, None], axis=-2)[..., 0, :]  # [..., chunk]
-    index = jax.lax.broadcasted_iota(jnp.int32, held.shape, held.ndim - 1)
-    within = jnp.min(jnp.where(held == top, index, chunk), axis=-1)
-    return jnp.minimum(at * chunk + within, vocab - 1).astype(jnp.int32)
+    return jnp.minimum(at * chunk + _first_holding(held, top), vocab - 1)
+
+
+def _first_holding(x: jax.Array, top: jax.Array) -> jax.Array:
+    """x [..., n], top [..., 1] -> [...] int32: the least index where x equals top, n if none."""
+    n = x.shape[-1]
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(x == top, index, n), axis=-1)
 
 
 def adjust_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:

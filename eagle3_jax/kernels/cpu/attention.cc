@@ -207,8 +207,8 @@ EAGLE3_INLINE typename C::V MaskedScale(float* row, const bool* seen, int64_t n,
   constexpr int L = C::kLanes;
   int64_t s = 0;
   for (; s + L <= n; s += L) {
-    const VI on = __builtin_convertvector(*reinterpret_cast<const typename C::VB*>(seen + s),
-                                          VI);  // one vpmovzxbd
+    // One vector load of L mask bytes, widened in registers (not L one-byte inserts).
+    const VI on = __builtin_convertvector(*reinterpret_cast<const typename C::VB*>(seen + s), VI);
     const V x = Load<C>(row + s);
     const V y = on != 0 ? x / scale : Splat<C>(kNegInf);
     Store<C>(row + s, y);
