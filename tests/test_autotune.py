@@ -11,7 +11,8 @@ import pytest
 
 from eagle3_jax.decoding import autotune
 from eagle3_jax.decoding.acceptance import (chain_accept_length, default_accept_rates,
-                                            expected_accept_length, mean_accept_length)
+                                            expected_accept_length, level_sums,
+                                            mean_accept_length)
 from eagle3_jax.decoding.autotune import CostModel, select_tree
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.draft.config import DraftConfig
@@ -143,16 +144,18 @@ def test_better_heads_and_cheaper_drafts_grow_the_tree():
     assert select_tree(costs, [0.9], depth=2).tree.depth == 2
 
 
-def _brute_force_best(costs, rates, scale, max_tokens=64):
+def _brute_force_best(costs, rates, scale, max_tokens=64, decay=1.0):
     """The (tree, tau) with the highest scaled tau / modelled seconds, from
-    ``expected_accept_length`` of every tree (not the selection's cumulative sums)."""
+    ``expected_accept_length`` of every tree (not the selection's cumulative sums); with a
+    ``decay``, from its ``level_sums`` weighted scale * decay**level."""
     best = None
     for k in autotune.TOP_KS:
         for d in autotune.DEPTHS:
             n_candidates = TreeConfig(tree_top_k=k, depth=d, total_tokens=2).num_candidates
             for total in range(2, min(max_tokens, costs.max_tokens, n_candidates + 1) + 1):
                 tree = TreeConfig(tree_top_k=k, depth=d, total_tokens=total)
-                tau = 1 + scale * (expected_accept_length(tree, rates) - 1)
+                tau = (1 + scale * (expected_accept_length(tree, rates) - 1) if decay == 1.0
+                       else 1 + scale * float(level_sums(tree, rates) @ decay ** np.arange(d)))
                 speed = tau / (costs.target_cost(total) + costs.draft_cost(d, k))
                 if best is None or speed > best[2] + 1e-12:
                     best = (tree, tau, speed)
@@ -181,6 +184,27 @@ def test_a_live_scale_shrinks_the_modelled_gain_and_the_tree():
     for bad in (-0.5, 2.0):
         with pytest.raises(autotune.AutotuneError, match="accept_scale"):
             select_tree(costs, rates, accept_scale=bad)
+
+
+def test_a_per_level_decay_credits_deep_nodes_less_and_picks_a_shallower_tree():
+    """With ``accept_decay`` r a node at draft level l counts s r**l of its modelled
+    acceptance: the pick is the brute-force best under exactly that weighting (the tree's
+    nodes still the most probable ones), and r < 1 never picks a deeper tree than r = 1."""
+    costs = CostModel(target={1: .020, 2: .0206, 4: .0214, 8: .0235, 16: .032, 32: .06,
+                              64: .11}, draft={w: 0.0012 for w in CHEAP_DRAFT})
+    rates = [[0.74, 0.83, 0.86, 0.88], [0.71, 0.79, 0.83, 0.85], [0.68, 0.77, 0.81, 0.84]]
+    flat = select_tree(costs, rates, accept_scale=0.6)
+    for decay in (0.86, 0.6):
+        choice = select_tree(costs, rates, accept_scale=0.6, accept_decay=decay)
+        tree, tau, speed = _brute_force_best(costs, rates, 0.6, decay=decay)
+        assert choice.tokens_per_s == pytest.approx(speed)
+        assert choice.expected_accept_length == pytest.approx(tau)
+        assert choice.tree.depth <= flat.tree.depth
+    assert select_tree(costs, rates, accept_scale=0.6, accept_decay=0.3).tree.depth < \
+        flat.tree.depth
+    for bad in (0.0, 1.2):
+        with pytest.raises(autotune.AutotuneError, match="accept_decay"):
+            select_tree(costs, rates, accept_decay=bad)
 
 
 def test_finalists_add_the_models_best_tree_of_half_the_size():

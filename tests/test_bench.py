@@ -62,7 +62,9 @@ def test_bench_calibrate_writes_the_scale_into_the_heads_acceptance(smollm2_gguf
     assert result["scale"] == pytest.approx(accept_scale(result["trees"]))
     after = json.loads((head / "acceptance.json").read_text())
     assert after["live"] == result and after["hits_per_step"] == before["hits_per_step"]
-    assert load_head(head).accept_scale == pytest.approx(result["scale"])
+    loaded = load_head(head)  # the per-level fit of the same trees
+    assert loaded.accept_scale == pytest.approx(result["level_scale"]["scale"])
+    assert loaded.accept_decay == pytest.approx(result["level_scale"]["decay"])
 
 
 def test_compute_floor_counts_the_flops_xla_counts():

@@ -119,14 +119,17 @@ def autotune(target, loaded_head, prompt_length: int, tree_top_k: int | None, de
     rates = accept_rates or loaded_head.accept_rates
     # The live calibration belongs to the head's own rates, not to rates the user gives.
     scale = None if accept_rates else loaded_head.accept_scale
+    decay = 1.0 if scale is None else loaded_head.accept_decay
     choice = autotune_tree(target.params, target.cfg, loaded_head.head, prompt_length,
                            batch=batch, accept_rates=rates,
-                           accept_scale=1.0 if scale is None else scale,
+                           accept_scale=1.0 if scale is None else scale, accept_decay=decay,
                            tree_top_k=tree_top_k, depth=depth, ranked=RANKED_TREES, log=log)
     source = ("--accept-rates" if accept_rates else "the head's" if rates
               else "default profile 0.6*0.9^d")
+    per_level = "" if decay == 1.0 else f" x{decay:.2f} per draft level"
     calibrated = ("" if scale is None else
-                  f", extra tokens x{scale:.2f} as the head measured live on held-out prompts")
+                  f", extra tokens x{scale:.2f}{per_level} as the head measured live on "
+                  "held-out prompts")
     log(f"[autotune ({source} acceptance rates{calibrated}): {choice.describe()}]")
     return choice
 

@@ -98,8 +98,10 @@ def rank_probabilities(rate: Rate, tree_top_k: int) -> np.ndarray:
     return np.pad(probs, (0, max(0, tree_top_k - len(probs))))[:tree_top_k]
 
 
-def candidate_scores(tree_top_k: int, depth: int, rates: Sequence[Rate] | None) -> np.ndarray:
-    """Modelled acceptance probability of every candidate node, sorted descending.
+def candidates(tree_top_k: int, depth: int,
+               rates: Sequence[Rate] | None) -> tuple[np.ndarray, np.ndarray]:
+    """(probabilities, levels): the modelled acceptance probability of every candidate node and
+    its draft level (0: the root's children), by probability descending (ties: the shallower).
 
     Which nodes the tree holds follows the real build (``decoding/tree.py``) with the model's
     probabilities standing in for the draft's scores: level 1 is the root's k children, each
@@ -108,16 +110,32 @@ def candidate_scores(tree_top_k: int, depth: int, rates: Sequence[Rate] | None) 
     a = rates_for_depth(rates, depth)
     rank = lambda d: rank_probabilities(a[d], tree_top_k)  # noqa: E731
     level = rank(0)
-    scores = [level]
+    probs, levels = [level], [np.zeros(len(level), np.int64)]
     for d in range(1, depth):
         frontier = np.sort(level)[::-1][:tree_top_k]
         level = (frontier[:, None] * rank(d)[None, :]).reshape(-1)
-        scores.append(level)
-    return np.sort(np.concatenate(scores))[::-1]
+        probs.append(level)
+        levels.append(np.full(len(level), d, np.int64))
+    probs, levels = np.concatenate(probs), np.concatenate(levels)
+    order = np.argsort(-probs, kind="stable")
+    return probs[order], levels[order]
+
+
+def candidate_scores(tree_top_k: int, depth: int, rates: Sequence[Rate] | None) -> np.ndarray:
+    """Modelled acceptance probability of every candidate node, sorted descending
+    (:func:`candidates` without the levels)."""
+    return candidates(tree_top_k, depth, rates)[0]
+
+
+def level_sums(tree: TreeConfig, rates: Sequence[Rate] | None = None) -> np.ndarray:
+    """[depth]: the modelled accepted drafts of ``tree`` by draft level (its best
+    ``total_tokens - 1`` candidates' probabilities summed per level); they sum to E[tau] - 1."""
+    probs, levels = candidates(tree.tree_top_k, tree.depth, rates_for_depth(rates, tree.depth))
+    n = tree.total_tokens - 1
+    return np.bincount(levels[:n], weights=probs[:n], minlength=tree.depth)
 
 
 def expected_accept_length(tree: TreeConfig, rates: Sequence[Rate] | None = None) -> float:
     """Modelled E[tau] (tokens per round, bonus included) of ``tree``: 1 + the best
     ``total_tokens - 1`` candidates' acceptance probabilities."""
-    scores = candidate_scores(tree.tree_top_k, tree.depth, rates_for_depth(rates, tree.depth))
-    return 1.0 + float(np.sum(scores[: tree.total_tokens - 1]))
+    return 1.0 + float(np.sum(level_sums(tree, rates)))

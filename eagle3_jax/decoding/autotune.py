@@ -12,9 +12,10 @@ The model (batch 1, greedy)::
   levels of k frontier tokens, then the draft catches up on the accepted path (depth + 1
   tokens). ``t_step(w)`` is one measured draft step over w tokens.
 * ``E[tau]``: :func:`eagle3_jax.decoding.acceptance.expected_accept_length` from per-depth
-  rates, its extra tokens times the head's live calibration ``accept_scale`` where the head
-  has one (:mod:`eagle3_jax.decoding.calibration`: held-out rates overrate live decoding by
-  a similar factor for every tree; SmolLM2's shipped head: 0.52-0.64 by tree, 0.544 pooled).
+  rates, each node's modelled acceptance times the head's live calibration
+  ``accept_scale * accept_decay**level`` where the head has one
+  (:mod:`eagle3_jax.decoding.calibration`: held-out rates overrate live decoding, the more
+  the deeper the node; SmolLM2's shipped head: 0.62 x 0.86 per level).
 * the rates: a head's measured per-depth top-r hit rates (training eval ``hits_per_step``, kept
   in a shipped head's ``acceptance.json``; TTT step i is exactly "depth i given correct
   ancestors"), so a rank-r sibling is credited with what was measured for rank r; else its
@@ -49,7 +50,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from eagle3_jax.decoding.acceptance import Rate, candidate_scores, rates_for_depth
+from eagle3_jax.decoding.acceptance import Rate, candidates, rates_for_depth
 from eagle3_jax.decoding.costs import forward_curve, measure_draft_steps, measure_round
 from eagle3_jax.decoding.eagle import PROBE_ROUNDS, Fallback
 from eagle3_jax.decoding.tree import TreeConfig
@@ -158,18 +159,26 @@ class TreeChoice:
 def select_trees(costs: CostModel, rates: Sequence[Rate] | None = None, n: int = 1, *,
                  tree_top_k: int | None = None, depth: int | None = None,
                  tree_top_ks: Sequence[int] = TOP_KS, depths: Sequence[int] = DEPTHS,
-                 accept_scale: float = 1.0, max_tokens: int | None = None) -> list[TreeChoice]:
+                 accept_scale: float = 1.0, accept_decay: float = 1.0,
+                 max_tokens: int | None = None) -> list[TreeChoice]:
     """The ``n`` tree shapes (tree_top_k, depth) with the highest modelled tokens/s, each at its
     best total_tokens, best first (ties: the smaller tree).
 
     ``tree_top_k`` / ``depth`` fix that dimension (a user's ``--tree-top-k`` / ``--depth``);
     total_tokens ranges over 2 .. ``max_tokens`` (default: the largest measured T).
-    ``accept_scale``: the modelled tau is ``1 + accept_scale * (E[tau] - 1)``, the head's live
-    calibration (:mod:`eagle3_jax.decoding.calibration`); 1 takes the rates as they are.
+    ``accept_scale``, ``accept_decay``: the head's live calibration
+    (:mod:`eagle3_jax.decoding.calibration`): a node at draft level l (0: the root's children)
+    counts ``accept_scale * accept_decay**l`` times its modelled acceptance, so with decay 1 the
+    modelled tau is ``1 + accept_scale * (E[tau] - 1)``; 1 and 1 take the rates as they are.
+    The nodes a tree holds are still the model's most probable (the draft ranks by its own
+    scores, not by what verification will accept).
     """
     if not 0.0 <= accept_scale <= 1.5:
         raise AutotuneError(f"accept_scale must lie in [0, 1.5], got {accept_scale}; it is a "
                             "head's live tau - 1 over its modelled tau - 1")
+    if not 0.0 < accept_decay <= 1.0:
+        raise AutotuneError(f"accept_decay must lie in (0, 1], got {accept_decay}; it is the "
+                            "live calibration's factor per draft level")
     tree_top_ks = (tree_top_k,) if tree_top_k is not None else tuple(tree_top_ks)
     depths = (depth,) if depth is not None else tuple(depths)
     max_tokens = costs.max_tokens if max_tokens is None else min(max_tokens, costs.max_tokens)
@@ -177,7 +186,8 @@ def select_trees(costs: CostModel, rates: Sequence[Rate] | None = None, n: int =
     shapes: list[TreeChoice] = []
     for k in tree_top_ks:
         for d in depths:
-            scores = accept_scale * candidate_scores(k, d, rates_for_depth(rates, d))
+            probs, levels = candidates(k, d, rates_for_depth(rates, d))
+            scores = accept_scale * accept_decay ** levels * probs
             tau = 1.0 + np.concatenate([[0.0], np.cumsum(scores)])  # tau[n] for n drafts
             draft = costs.draft_cost(d, k)
             best: TreeChoice | None = None
@@ -319,11 +329,12 @@ def finalists(costs: CostModel, rates: Sequence[Rate] | None, ranked: int,
 
 def autotune_tree(target_params, cfg, head, prompt_length: int, *, batch: int = 1,
                   accept_rates: Sequence[Rate] | None = None, accept_scale: float = 1.0,
-                  tree_top_k: int | None = None, depth: int | None = None, ranked: int = 1,
+                  accept_decay: float = 1.0, tree_top_k: int | None = None, depth: int | None = None, ranked: int = 1,
                   directory: str | Path | None = None,
                   log: Callable[[str], None] = lambda s: None) -> TreeChoice:
     """Measure (once per machine, model, context bucket and batch) and pick the tree for a
-    padded batch of ``batch`` rows. ``accept_scale``: :func:`select_trees`'. ``ranked`` > 1
+    padded batch of ``batch`` rows. ``accept_scale``, ``accept_decay``: :func:`select_trees`'.
+    ``ranked`` > 1
     (the decoder's ``RANKED_TREES``): where the model's best pays off, its :func:`finalists`
     are timed as whole rounds and the best measured speed-up (modelled tau x plain step /
     round) is kept."""
@@ -331,7 +342,7 @@ def autotune_tree(target_params, cfg, head, prompt_length: int, *, batch: int = 
     costs = measure_costs(target_params, cfg, head, context, batch=batch, directory=directory,
                           log=log)
     choices = finalists(costs, accept_rates, ranked, tree_top_k=tree_top_k, depth=depth,
-                        accept_scale=accept_scale)
+                        accept_scale=accept_scale, accept_decay=accept_decay)
     if len(choices) == 1 or not choices[0].pays_off:
         return choices[0]
     costs = measure_round_costs(target_params, cfg, head, [c.tree for c in choices], context,

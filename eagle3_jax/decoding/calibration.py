@@ -13,13 +13,21 @@ than those rates say, for reasons the rates cannot show:
   reproduces the live count of accepted drafts (stop 22);
 * positions whose target token lies outside the draft vocabulary are not scored.
 
-Together they act as one factor on a tree's extra tokens, similar for every tree shape (the
-shipped head, stop 22: 0.64 for one draft token, 0.55 for 4 and 8 nodes, 0.52 for 16, 0.544
-pooled; the same trees' live tau on MT-bench was within 3% of ShareGPT's). So the
-chooser's tau is ``1 + scale * (E[tau] - 1)``, ``scale`` measured here by decoding held-out chat
-prompts (ShareGPT first user turns the head was not trained on, never the evaluation sets) with
-a few trees: ``scale = sum(live tau - 1) / sum(modelled tau - 1)``. ``python -m eagle3_jax.bench
-calibrate`` runs it and stores it in a released head's ``acceptance.json``.
+They act as a factor on a tree's extra tokens that shrinks with the draft level: one pooled
+factor (``scale = sum(live tau - 1) / sum(modelled tau - 1)``, :func:`accept_scale`) was 0.64
+for one draft token and 0.52 for the 16-node tree of depth 6 (the shipped head, stop 22; 0.544
+pooled), and it rated deep trees too high: on MT-bench (stop 29) tree 2/5/8 was modelled at tau
+2.18 and measured 2.13, 2/3/8 modelled 2.02 and measured 2.06, so the chooser preferred the
+deeper, dearer tree. So the chooser credits a node at draft level l (0: the root's children)
+with ``scale * decay**l`` of its modelled acceptance (:func:`fit_live_scale`: least squares over
+the calibration trees; decay 1 is the pooled factor): for the shipped head scale 0.62, decay
+0.86, which gives those MT-bench trees 2.14 and 2.05 and the four calibration trees' live tau
+within 0.02 (the pooled factor: within 0.09).
+
+Both are measured by decoding held-out chat prompts (ShareGPT first user turns the head was not
+trained on, never the evaluation sets) with a few trees; ``python -m eagle3_jax.bench
+calibrate`` runs it and stores the trees' live and modelled tau in a released head's
+``acceptance.json``, where :func:`fit_live_scale` reads them.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from eagle3_jax.decoding.acceptance import (Rate, expected_accept_length,
+from eagle3_jax.decoding.acceptance import (Rate, expected_accept_length, level_sums,
                                             mean_accept_length)
 from eagle3_jax.decoding.tree import TreeConfig
 
@@ -49,6 +57,37 @@ def accept_scale(trees: Sequence[dict[str, Any]]) -> float:
     return live / modelled
 
 
+# The level decays :func:`fit_live_scale` tries (1: the pooled factor, no decay).
+DECAYS = np.round(np.arange(0.5, 1.0 + 1e-9, 0.005), 3)
+
+
+def fit_live_scale(trees: Sequence[dict[str, Any]],
+                   rates: Sequence[Rate] | None) -> tuple[float, float]:
+    """(scale, decay) that best turn ``rates``' modelled tau of the calibration ``trees``
+    (records ``{"tree_top_k", "depth", "total_tokens", "live_tau"}``) into their live tau:
+    ``live - 1 ~ sum over levels l of scale * decay**l * level_sums(tree)[l]``, least squares
+    over ``DECAYS`` (the scale in closed form for each). Fewer than two trees: the pooled
+    :func:`accept_scale` and decay 1."""
+    modelled = [level_sums(TreeConfig(tree_top_k=t["tree_top_k"], depth=t["depth"],
+                                      total_tokens=t["total_tokens"]), rates) for t in trees]
+    live = np.array([t["live_tau"] - 1.0 for t in trees])
+    if len(trees) < 2:
+        return accept_scale([{"live_tau": 1.0 + y, "modelled_tau": 1.0 + m.sum()}
+                             for y, m in zip(live, modelled)]), 1.0
+    best = None
+    for decay in DECAYS[::-1]:  # ties: the decay nearer 1
+        x = np.array([m @ decay ** np.arange(len(m)) for m in modelled])
+        if x @ x <= 0:
+            continue
+        scale = float(x @ live / (x @ x))
+        error = float(np.sum((scale * x - live) ** 2))
+        if best is None or error < best[0] - 1e-12:
+            best = (error, scale, float(decay))
+    if best is None:
+        raise ValueError("the modelled trees accept nothing: no scale can be measured")
+    return best[1], best[2]
+
+
 def measure_accept_scale(decode: Callable[[TreeConfig], Sequence[int]],
                          rates: Sequence[Rate] | None,
                          trees: Sequence[TreeConfig] = CALIBRATION_TREES,
@@ -58,8 +97,8 @@ def measure_accept_scale(decode: Callable[[TreeConfig], Sequence[int]],
     ``decode(tree) -> accept_hist``: decodes the calibration prompts greedily with ``tree``
     and returns the summed histogram of tokens emitted per round (e.g.
     :class:`eagle3_jax.decoding.decoders.EagleDecoder` over a batch of prompts).
-    Returns ``{"scale", "trees": [{tree_top_k, depth, total_tokens, live_tau, modelled_tau,
-    rounds}]}``.
+    Returns ``{"scale" (pooled), "trees": [{tree_top_k, depth, total_tokens, live_tau,
+    modelled_tau, rounds}], "level_scale": {"scale", "decay"}}`` (:func:`fit_live_scale`).
     """
     records = []
     for tree in trees:
@@ -72,4 +111,6 @@ def measure_accept_scale(decode: Callable[[TreeConfig], Sequence[int]],
             f"{record['live_tau']:.3f} over {record['rounds']} rounds, modelled "
             f"{record['modelled_tau']:.3f}]")
         records.append(record)
-    return {"scale": accept_scale(records), "trees": records}
+    scale, decay = fit_live_scale(records, rates)
+    return {"scale": accept_scale(records), "trees": records,
+            "level_scale": {"scale": scale, "decay": decay}}

@@ -55,8 +55,10 @@ class LoadedHead:
 
     accept_rates: measured per-depth rates (a training run's eval): per depth the top-r hit
       rates [h(1), ..., h(R)], or the top-1 rate alone for older runs; None if unknown.
-    accept_scale: live tau - 1 over modelled tau - 1 on held-out prompts (``acceptance.json``'s
-      ``"live"``, written by ``python -m eagle3_jax.bench calibrate --write``); None if unknown.
+    accept_scale, accept_decay: the live calibration (``acceptance.json``'s ``"live"``, written
+      by ``python -m eagle3_jax.bench calibrate --write``): a node at draft level l is credited
+      with ``accept_scale * accept_decay**l`` of its modelled acceptance
+      (:func:`eagle3_jax.decoding.calibration.fit_live_scale`); None and 1 if unknown.
     step, run_dir: the training step and run folder it was read from (None for a
       released-format folder).
     """
@@ -65,6 +67,7 @@ class LoadedHead:
     description: str
     accept_rates: list[float] | list[list[float]] | None = None
     accept_scale: float | None = None
+    accept_decay: float = 1.0
     step: int | None = None
     run_dir: Path | None = None
 
@@ -96,10 +99,10 @@ def load_head(path: str | Path, target_cfg: TargetConfig | None = None, *,
 
         # Stored in 16-bit or not, a head computes in its target's dtype.
         dtype = target_cfg.dtype if target_cfg is not None else None
-        rates, scale = _released_acceptance(folder / ACCEPTANCE_FILE)
+        rates, scale, decay = _released_acceptance(folder / ACCEPTANCE_FILE)
         return LoadedHead(load_draft_head(folder, target_cfg, dtype=dtype),
                           f"released-format head {folder}", accept_rates=rates,
-                          accept_scale=scale)
+                          accept_scale=scale, accept_decay=decay)
     run_dir, named_step = _run_folder(folder, path)
     head, step = read_run_head(run_dir, step if step is not None else named_step)
     if target_cfg is not None:
@@ -222,17 +225,24 @@ def _measured_rates(metrics_path: Path, step: int) -> list[float] | list[list[fl
 
 
 def _released_acceptance(path: Path) -> tuple[list[float] | list[list[float]] | None,
-                                              float | None]:
-    """(rates, live scale) of a released folder's ``acceptance.json``; None for what is absent
-    or unreadable (the chooser then falls back to its default profile or takes the rates as
-    they are, and says which)."""
+                                              float | None, float]:
+    """(rates, live scale, level decay) of a released folder's ``acceptance.json``: the scale
+    and decay fitted to its ``"live"`` calibration trees
+    (:func:`eagle3_jax.decoding.calibration.fit_live_scale`), or its pooled scale and decay 1
+    where it has no trees; None / 1 for what is absent or unreadable (the chooser then falls
+    back to its default profile or takes the rates as they are, and says which)."""
+    from eagle3_jax.decoding.calibration import fit_live_scale
+
     try:
         record = json.loads(path.read_text())
         rates = rates_of(record)
     except (OSError, ValueError, KeyError, TypeError):
-        return None, None
+        return None, None, 1.0
     try:
-        scale = float(record["live"]["scale"])
+        return (rates, *fit_live_scale(record["live"]["trees"], rates))
     except (KeyError, TypeError, ValueError):
-        scale = None
-    return rates, scale
+        pass
+    try:
+        return rates, float(record["live"]["scale"]), 1.0
+    except (KeyError, TypeError, ValueError):
+        return rates, None, 1.0
