@@ -99,9 +99,9 @@ def test_the_shipped_head_is_16_bit_small_and_measured():
 def test_the_shipped_head_carries_its_live_calibration():
     """``acceptance.json``'s ``"live"`` (``bench calibrate --write``): per tree the modelled tau
     the chooser computes from the file's own rates, a live tau below it, and their pooled
-    scale, which ``load_head`` hands to the chooser."""
+    scale; ``load_head`` hands the chooser their per-level fit."""
     from eagle3_jax.decoding.acceptance import expected_accept_length
-    from eagle3_jax.decoding.calibration import accept_scale
+    from eagle3_jax.decoding.calibration import accept_scale, fit_live_scale
     from eagle3_jax.decoding.tree import TreeConfig
     from eagle3_jax.draft.load import load_head, rates_of
 
@@ -121,7 +121,10 @@ def test_the_shipped_head_carries_its_live_calibration():
     from eagle3_jax.draft.export import weights_digest
     assert live["weights_sha256"] == weights_digest(folder)  # measured on these very weights
     loaded = load_head(folder, load_preset("smollm2-135m").target)
-    assert loaded.accept_scale == pytest.approx(live["scale"])
+    # The chooser's calibration: the per-level fit of the same trees; deeper levels lose more.
+    assert (loaded.accept_scale, loaded.accept_decay) == pytest.approx(
+        fit_live_scale(live["trees"], rates_of(record)))
+    assert loaded.accept_decay < 1
 
 
 def test_export_writes_acceptance_and_a_card_from_the_run(tmp_path):

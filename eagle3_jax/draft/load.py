@@ -229,7 +229,7 @@ def _released_acceptance(path: Path) -> tuple[list[float] | list[list[float]] | 
     """(rates, live scale, level decay) of a released folder's ``acceptance.json``: the scale
     and decay fitted to its ``"live"`` calibration trees
     (:func:`eagle3_jax.decoding.calibration.fit_live_scale`), or its pooled scale and decay 1
-    where it has no trees; None / 1 for what is absent or unreadable (the chooser then falls
+    where it has fewer than two; None / 1 for what is absent or unreadable (the chooser then falls
     back to its default profile or takes the rates as they are, and says which)."""
     from eagle3_jax.decoding.calibration import fit_live_scale
 
@@ -239,7 +239,9 @@ def _released_acceptance(path: Path) -> tuple[list[float] | list[list[float]] | 
     except (OSError, ValueError, KeyError, TypeError):
         return None, None, 1.0
     try:
-        return (rates, *fit_live_scale(record["live"]["trees"], rates))
+        trees = record["live"]["trees"]
+        if len(trees) >= 2:  # one tree shows no decay: its record's scale, below
+            return (rates, *fit_live_scale(trees, rates))
     except (KeyError, TypeError, ValueError):
         pass
     try:
