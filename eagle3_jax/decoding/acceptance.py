@@ -121,12 +121,6 @@ def candidates(tree_top_k: int, depth: int,
     return probs[order], levels[order]
 
 
-def candidate_scores(tree_top_k: int, depth: int, rates: Sequence[Rate] | None) -> np.ndarray:
-    """Modelled acceptance probability of every candidate node, sorted descending
-    (:func:`candidates` without the levels)."""
-    return candidates(tree_top_k, depth, rates)[0]
-
-
 def level_sums(tree: TreeConfig, rates: Sequence[Rate] | None = None) -> np.ndarray:
     """[depth]: the modelled accepted drafts of ``tree`` by draft level (its best
     ``total_tokens - 1`` candidates' probabilities summed per level); they sum to E[tau] - 1."""

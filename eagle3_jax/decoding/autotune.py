@@ -329,15 +329,15 @@ def finalists(costs: CostModel, rates: Sequence[Rate] | None, ranked: int,
 
 def autotune_tree(target_params, cfg, head, prompt_length: int, *, batch: int = 1,
                   accept_rates: Sequence[Rate] | None = None, accept_scale: float = 1.0,
-                  accept_decay: float = 1.0, tree_top_k: int | None = None, depth: int | None = None, ranked: int = 1,
+                  accept_decay: float = 1.0, tree_top_k: int | None = None,
+                  depth: int | None = None, ranked: int = 1,
                   directory: str | Path | None = None,
                   log: Callable[[str], None] = lambda s: None) -> TreeChoice:
     """Measure (once per machine, model, context bucket and batch) and pick the tree for a
     padded batch of ``batch`` rows. ``accept_scale``, ``accept_decay``: :func:`select_trees`'.
-    ``ranked`` > 1
-    (the decoder's ``RANKED_TREES``): where the model's best pays off, its :func:`finalists`
-    are timed as whole rounds and the best measured speed-up (modelled tau x plain step /
-    round) is kept."""
+    ``ranked`` > 1 (the decoder's ``RANKED_TREES``): where the model's best pays off, its
+    :func:`finalists` are timed as whole rounds and the best measured speed-up (modelled tau x
+    plain step / round) is kept."""
     context = autotune_context(prompt_length)
     costs = measure_costs(target_params, cfg, head, context, batch=batch, directory=directory,
                           log=log)

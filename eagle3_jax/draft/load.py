@@ -229,8 +229,8 @@ def _released_acceptance(path: Path) -> tuple[list[float] | list[list[float]] | 
     """(rates, live scale, level decay) of a released folder's ``acceptance.json``: the scale
     and decay fitted to its ``"live"`` calibration trees
     (:func:`eagle3_jax.decoding.calibration.fit_live_scale`), or its pooled scale and decay 1
-    where it has fewer than two; None / 1 for what is absent or unreadable (the chooser then falls
-    back to its default profile or takes the rates as they are, and says which)."""
+    where it has fewer than two; None / 1 for what is absent or unreadable (the chooser then
+    falls back to its default profile or takes the rates as they are, and says which)."""
     from eagle3_jax.decoding.calibration import fit_live_scale
 
     try:
