@@ -9,7 +9,8 @@ import pytest
 
 from eagle3_jax.decoding.acceptance import expected_accept_length, level_sums
 from eagle3_jax.decoding.calibration import (CALIBRATION_TREES, DECAYS, accept_scale,
-                                             fit_live_scale, measure_accept_scale)
+                                             fit_live_scale, live_level_scale,
+                                             measure_accept_scale)
 from eagle3_jax.decoding.eagle import generate_eagle
 from eagle3_jax.decoding.tree import TreeConfig
 from test_eagle import _prompts, make_models
@@ -41,7 +42,8 @@ def _records(trees, rates, scale, decay):
 
 def test_the_per_level_fit_recovers_a_known_scale_and_decay():
     """Live taus made with scale 0.6 and decay 0.8 per level (or no decay) are fitted back
-    exactly; a decay of 1 is the pooled scale; one tree cannot show a decay."""
+    exactly; a decay of 1 is the pooled scale; one tree cannot show a decay, so a record with
+    one keeps its pooled scale."""
     rates = [[0.7, 0.8, 0.85], [0.65, 0.75, 0.8], [0.6, 0.7, 0.78], [0.6, 0.7, 0.75]]
     for scale, decay in ((0.6, 0.8), (0.5, 1.0), (0.7, 0.65)):
         assert decay in DECAYS
@@ -55,7 +57,11 @@ def test_the_per_level_fit_recovers_a_known_scale_and_decay():
                        total_tokens=r["total_tokens"]), rates)
     assert fit_live_scale(pooled, rates)[0] == pytest.approx(accept_scale(pooled))
     one = _records(CALIBRATION_TREES[2:3], rates, 0.6, 0.8)
-    assert fit_live_scale(one, rates)[1] == 1.0
+    with pytest.raises(ValueError, match="two calibration trees"):
+        fit_live_scale(one, rates)
+    assert live_level_scale({"scale": 0.57, "trees": one}, rates) == (0.57, 1.0)
+    assert live_level_scale({"scale": 0.57, "trees": records}, rates) == pytest.approx(
+        fit_live_scale(records, rates))
 
 
 def test_live_tau_is_new_tokens_over_rounds_of_the_decoded_prompts():

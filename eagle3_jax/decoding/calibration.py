@@ -66,14 +66,13 @@ def fit_live_scale(trees: Sequence[dict[str, Any]],
     """(scale, decay) that best turn ``rates``' modelled tau of the calibration ``trees``
     (records ``{"tree_top_k", "depth", "total_tokens", "live_tau"}``) into their live tau:
     ``live - 1 ~ sum over levels l of scale * decay**l * level_sums(tree)[l]``, least squares
-    over ``DECAYS`` (the scale in closed form for each). Fewer than two trees: the pooled
-    :func:`accept_scale` and decay 1."""
+    over ``DECAYS`` (the scale in closed form for each). Needs two trees or more (one shows no
+    decay: :func:`live_level_scale`)."""
+    if len(trees) < 2:
+        raise ValueError(f"a decay needs two calibration trees or more, got {len(trees)}")
     modelled = [level_sums(TreeConfig(tree_top_k=t["tree_top_k"], depth=t["depth"],
                                       total_tokens=t["total_tokens"]), rates) for t in trees]
     live = np.array([t["live_tau"] - 1.0 for t in trees])
-    if len(trees) < 2:
-        return accept_scale([{"live_tau": 1.0 + y, "modelled_tau": 1.0 + m.sum()}
-                             for y, m in zip(live, modelled)]), 1.0
     best = None
     for decay in DECAYS[::-1]:  # ties: the decay nearer 1
         x = np.array([m @ decay ** np.arange(len(m)) for m in modelled])
@@ -86,6 +85,16 @@ def fit_live_scale(trees: Sequence[dict[str, Any]],
     if best is None:
         raise ValueError("the modelled trees accept nothing: no scale can be measured")
     return best[1], best[2]
+
+
+def live_level_scale(live: dict[str, Any], rates: Sequence[Rate] | None) -> tuple[float, float]:
+    """(scale, decay) the chooser uses from a head's ``"live"`` record (``acceptance.json``):
+    :func:`fit_live_scale` of its trees where it has two or more, else its pooled ``"scale"``
+    and decay 1. KeyError / TypeError / ValueError for a record that has neither."""
+    trees = live.get("trees") or []
+    if len(trees) >= 2:
+        return fit_live_scale(trees, rates)
+    return float(live["scale"]), 1.0
 
 
 def measure_accept_scale(decode: Callable[[TreeConfig], Sequence[int]],

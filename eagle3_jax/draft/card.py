@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from eagle3_jax.draft.config import DraftConfig
-from eagle3_jax.draft.load import METRICS_FILE, latest_eval, read_metrics
+from eagle3_jax.draft.load import METRICS_FILE, latest_eval, rates_of, read_metrics
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -84,6 +84,9 @@ def model_card(run_dir: str | Path, step: int, cfg: DraftConfig, *, title: str,
                 f"forced). Simulated chain acceptance length: {ev['accept_length']:.2f}.", "",
                 _table(["depth", *[f"top-{r}" for r in ranks]], rows), ""]
     if live:
+        from eagle3_jax.decoding.calibration import live_level_scale
+
+        scale, decay = live_level_scale(live, rates_of(ev) if ev else None)
         prompts = live.get("prompts", {})
         rows = [(f"{t['tree_top_k']}/{t['depth']}/{t['total_tokens']}", t["modelled_tau"],
                  t["live_tau"], t["rounds"]) for t in live["trees"]]
@@ -91,8 +94,10 @@ def model_card(run_dir: str | Path, step: int, cfg: DraftConfig, *, title: str,
                 "", f"Greedy decoding of {prompts.get('count')} {prompts.get('source')} of "
                 f"{prompts.get('min_chars')}-{prompts.get('max_chars')} characters (none of the "
                 f"evaluation sets), {live.get('max_new_tokens')} new tokens each, against the tau "
-                f"the tree chooser models from the rates above. The chooser multiplies a tree's "
-                f"modelled extra tokens by the pooled scale, **{live['scale']:.3f}**.", "",
+                f"the tree chooser models from the rates above (pooled live over modelled extra "
+                f"tokens: **{live['scale']:.3f}**). The chooser credits a node at draft level l "
+                f"with {scale:.3f} x {decay:.2f}^l of its modelled acceptance "
+                "(`decoding/calibration.py`: the per-level fit of these trees).", "",
                 _table(["tree (top_k/depth/total)", "modelled tau", "live tau", "rounds"],
                        rows), ""]
     if results:

@@ -226,12 +226,11 @@ def _measured_rates(metrics_path: Path, step: int) -> list[float] | list[list[fl
 
 def _released_acceptance(path: Path) -> tuple[list[float] | list[list[float]] | None,
                                               float | None, float]:
-    """(rates, live scale, level decay) of a released folder's ``acceptance.json``: the scale
-    and decay fitted to its ``"live"`` calibration trees
-    (:func:`eagle3_jax.decoding.calibration.fit_live_scale`), or its pooled scale and decay 1
-    where it has fewer than two; None / 1 for what is absent or unreadable (the chooser then
-    falls back to its default profile or takes the rates as they are, and says which)."""
-    from eagle3_jax.decoding.calibration import fit_live_scale
+    """(rates, live scale, level decay) of a released folder's ``acceptance.json``
+    (:func:`eagle3_jax.decoding.calibration.live_level_scale` of its ``"live"`` record); None /
+    1 for what is absent or unreadable (the chooser then falls back to its default profile or
+    takes the rates as they are, and says which)."""
+    from eagle3_jax.decoding.calibration import live_level_scale
 
     try:
         record = json.loads(path.read_text())
@@ -239,12 +238,6 @@ def _released_acceptance(path: Path) -> tuple[list[float] | list[list[float]] | 
     except (OSError, ValueError, KeyError, TypeError):
         return None, None, 1.0
     try:
-        trees = record["live"]["trees"]
-        if len(trees) >= 2:  # one tree shows no decay: its record's scale, below
-            return (rates, *fit_live_scale(trees, rates))
-    except (KeyError, TypeError, ValueError):
-        pass
-    try:
-        return rates, float(record["live"]["scale"]), 1.0
-    except (KeyError, TypeError, ValueError):
+        return (rates, *live_level_scale(record["live"], rates))
+    except (KeyError, TypeError, ValueError, AttributeError):
         return rates, None, 1.0
