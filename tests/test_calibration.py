@@ -91,8 +91,6 @@ def test_live_tau_is_new_tokens_over_rounds_of_the_decoded_prompts():
         extra_live += new / rounds - 1
         extra_modelled += expected_accept_length(tree, rates) - 1
     assert result["scale"] == pytest.approx(extra_live / extra_modelled)
-    assert (result["level_scale"]["scale"], result["level_scale"]["decay"]) == pytest.approx(
-        fit_live_scale(result["trees"], rates))
     assert len(CALIBRATION_TREES) >= 3
 
 

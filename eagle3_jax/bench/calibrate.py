@@ -48,7 +48,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None = None) -> dict:
     from eagle3_jax.cli.output import log
     from eagle3_jax.data.sources import (HELD_OUT_CHARS, held_out_prompts,
                                          load_benchmark_prompts)
-    from eagle3_jax.decoding.calibration import measure_accept_scale
+    from eagle3_jax.decoding.calibration import live_level_scale, measure_accept_scale
     from eagle3_jax.decoding.decoders import EagleDecoder
     from eagle3_jax.decoding.sampling import sampling_from_flags
     from eagle3_jax.draft.load import ACCEPTANCE_FILE, check_head_path, load_head
@@ -86,7 +86,9 @@ def run(args: argparse.Namespace, load_fn: Callable | None = None) -> dict:
                   max_new_tokens=args.max_new_tokens, head=loaded.description,
                   weights_sha256=(weights_digest(folder)
                                   if (folder / "model.safetensors").is_file() else None))
-    log(f"[calibrate: scale {result['scale']:.3f} (live tau - 1 over modelled tau - 1)]")
+    scale, decay = live_level_scale(result, loaded.accept_rates)
+    log(f"[calibrate: scale {result['scale']:.3f} (live tau - 1 over modelled tau - 1); the "
+        f"chooser's per-level fit {scale:.3f} x {decay:.2f}^level]")
     write_json(Path(args.out), result)
     if args.write:
         record = json.loads(acceptance.read_text())

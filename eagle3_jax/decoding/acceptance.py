@@ -124,7 +124,7 @@ def candidates(tree_top_k: int, depth: int,
 def level_sums(tree: TreeConfig, rates: Sequence[Rate] | None = None) -> np.ndarray:
     """[depth]: the modelled accepted drafts of ``tree`` by draft level (its best
     ``total_tokens - 1`` candidates' probabilities summed per level); they sum to E[tau] - 1."""
-    probs, levels = candidates(tree.tree_top_k, tree.depth, rates_for_depth(rates, tree.depth))
+    probs, levels = candidates(tree.tree_top_k, tree.depth, rates)
     n = tree.total_tokens - 1
     return np.bincount(levels[:n], weights=probs[:n], minlength=tree.depth)
 

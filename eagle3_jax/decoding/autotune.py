@@ -50,7 +50,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from eagle3_jax.decoding.acceptance import Rate, candidates, rates_for_depth
+from eagle3_jax.decoding.acceptance import Rate, candidates
 from eagle3_jax.decoding.costs import forward_curve, measure_draft_steps, measure_round
 from eagle3_jax.decoding.eagle import PROBE_ROUNDS, Fallback
 from eagle3_jax.decoding.tree import TreeConfig
@@ -186,7 +186,7 @@ def select_trees(costs: CostModel, rates: Sequence[Rate] | None = None, n: int =
     shapes: list[TreeChoice] = []
     for k in tree_top_ks:
         for d in depths:
-            probs, levels = candidates(k, d, rates_for_depth(rates, d))
+            probs, levels = candidates(k, d, rates)
             scores = accept_scale * accept_decay ** levels * probs
             tau = 1.0 + np.concatenate([[0.0], np.cumsum(scores)])  # tau[n] for n drafts
             draft = costs.draft_cost(d, k)

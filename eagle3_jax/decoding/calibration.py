@@ -107,7 +107,7 @@ def measure_accept_scale(decode: Callable[[TreeConfig], Sequence[int]],
     and returns the summed histogram of tokens emitted per round (e.g.
     :class:`eagle3_jax.decoding.decoders.EagleDecoder` over a batch of prompts).
     Returns ``{"scale" (pooled), "trees": [{tree_top_k, depth, total_tokens, live_tau,
-    modelled_tau, rounds}], "level_scale": {"scale", "decay"}}`` (:func:`fit_live_scale`).
+    modelled_tau, rounds}]}``, the record :func:`live_level_scale` reads.
     """
     records = []
     for tree in trees:
@@ -120,6 +120,4 @@ def measure_accept_scale(decode: Callable[[TreeConfig], Sequence[int]],
             f"{record['live_tau']:.3f} over {record['rounds']} rounds, modelled "
             f"{record['modelled_tau']:.3f}]")
         records.append(record)
-    scale, decay = fit_live_scale(records, rates)
-    return {"scale": accept_scale(records), "trees": records,
-            "level_scale": {"scale": scale, "decay": decay}}
+    return {"scale": accept_scale(records), "trees": records}
