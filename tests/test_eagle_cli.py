@@ -295,7 +295,39 @@ def test_bench_speed_times_hf_transformers_beside(tmp_path, capsys, monkeypatch)
     assert "eagle vs HF" in captured.out
 
 
-def test_auto_tree_gives_up_drafting_where_it_does_not_pay(tiny, capsys):
+@pytest.fixture
+def steady_costs(monkeypatch, tmp_path):
+    """The tree chooser's timings replaced by fixed costs, cached in a temporary directory, so
+    the CLI's choice does not hang on the machine: on the tiny model a round costs a few of its
+    plain steps, near break-even, and a CI machine once found no tree paying at batch 2 (the
+    timings are what the chooser's own tests measure). A target forward of T tokens costs
+    1 + T/64 ms, a draft step 0.1 ms (drafting pays at the claimed acceptance), a whole round
+    1.5 plain steps (a random head's ~1 token a round does not). Returns the batches each kind
+    of cost was asked for."""
+    from eagle3_jax.decoding import autotune
+
+    asked = {"target": [], "draft": [], "round": []}
+
+    def forward_curve(params, cfg, context, sizes, repeats, batch=1):
+        asked["target"].append(batch)
+        return {t: 1e-3 * (1 + t / 64) for t in sizes}
+
+    def measure_draft_steps(head, embed, context, widths, repeats, batch=1):
+        asked["draft"].append(batch)
+        return {w: 1e-4 for w in widths}
+
+    def measure_round(params, cfg, head, trees, context, repeats, batch=1):
+        asked["round"].append(batch)
+        return [{"round": 1.5e-3, "step": 1e-3} for _ in trees]
+
+    monkeypatch.setattr(autotune, "forward_curve", forward_curve)
+    monkeypatch.setattr(autotune, "measure_draft_steps", measure_draft_steps)
+    monkeypatch.setattr(autotune, "measure_round", measure_round)
+    monkeypatch.setattr(autotune, "cache_root", lambda: tmp_path / "autotune")
+    return asked
+
+
+def test_auto_tree_gives_up_drafting_where_it_does_not_pay(tiny, capsys, steady_costs):
     """The chooser believes the head's (claimed) acceptance and drafts; the random head accepts
     almost nothing on the prompt itself, so after the probe rounds the decoder gives up and
     decodes plainly, with the same text as plain decoding. ``--force-eagle`` drafts to the end."""
@@ -306,7 +338,8 @@ def test_auto_tree_gives_up_drafting_where_it_does_not_pay(tiny, capsys):
     code, spec, err = run(target, capsys, *auto)
     assert code == 0, err
     assert spec == plain
-    assert "[fallback: at a 128-token context a round takes" in err
+    assert "[fallback: at a 128-token context a round takes 1.5 ms and a plain step 1.0 ms" in err
+    assert steady_costs == {"target": [1], "draft": [1], "round": [1]}
     assert "plain decode steps (drafting did not pay" in err
     assert "8 rounds, mean accept length" in err
     code, forced, err = run(target, capsys, *auto, "--force-eagle")
@@ -314,7 +347,7 @@ def test_auto_tree_gives_up_drafting_where_it_does_not_pay(tiny, capsys):
     assert "[fallback:" not in err and "plain decode steps" not in err
 
 
-def test_auto_tree_at_batch_two_measures_that_batch(tiny, tmp_path, capsys):
+def test_auto_tree_at_batch_two_measures_that_batch(tiny, tmp_path, capsys, steady_costs):
     """--json decodes prompts in batches: the costs (and so the break-even) are the padded
     batch's, and the JSON says how many plain steps each answer took after giving up."""
     target, head = tiny
@@ -325,7 +358,8 @@ def test_auto_tree_at_batch_two_measures_that_batch(tiny, tmp_path, capsys):
     code, out, err = run(target, capsys, *common, "--draft", head, "--total-tokens", "auto",
                          "--accept-rates", ",".join(["0.95"] * 8))
     assert code == 0, err
-    assert "context and 2 rows a round takes" in err
+    assert "context and 2 rows a round takes 1.5 ms and a plain step 1.0 ms" in err
+    assert steady_costs == {"target": [2], "draft": [2], "round": [2]}
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["token_ids"] for r in records] == [json.loads(line)["token_ids"]
                                                  for line in plain.splitlines()]
