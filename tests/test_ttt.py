@@ -362,3 +362,45 @@ def test_loss_and_gradients_match_an_independent_pytorch_reference(tmp_path, los
     for name, leaf in leaves.items():
         np.testing.assert_allclose(want[name].numpy(), leaf.grad.numpy(), rtol=2e-4, atol=2e-6,
                                    err_msg=name)
+
+
+@pytest.mark.parametrize("outputs_at", [False, True])
+def test_draft_step_on_the_attention_kernel_equals_xla(outputs_at):
+    """On CPU a draft step over a few tokens runs the cached-attention kernel over the cache as
+    it was and the tokens being written (``split_write_mask``), then writes the keys; the same
+    step with that kernel off (keys written first, XLA's attention over the cache) is the
+    reference: tree masks over a cache already holding entries, one token's slot past the cache
+    (dropped: no one sees it), and with ``outputs_at`` (the catch-up's one output per row)."""
+    from eagle3_jax.kernels import library, uses_attention_kernel
+
+    if not library.kernel_available():
+        pytest.skip("the CPU kernels are not built here")
+    cfg = DraftConfig(hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2,
+                      head_dim=16, vocab_size=V, draft_vocab_size=VD, tap_layers=(1, 2, 3),
+                      ttt_steps=2)
+    params = init_draft_params(cfg, jax.random.key(3), scale=0.3)
+    b, t, slots = 2, 5, 24
+    rng = np.random.default_rng(0)
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+    cache_k, cache_v = f32(b, 2, 16, slots), f32(b, 2, slots, 16)
+    write_slots = np.array([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]])  # 24: past the cache
+    mask = rng.random((b, t, slots)) < 0.5
+    for r in range(b):
+        for j in range(t):
+            if write_slots[r, j] < slots:
+                mask[r, j, write_slots[r, j]] = True  # each token sees itself
+    at = jnp.asarray([4, 2]) if outputs_at else None
+    args = (params, cfg, f32(b, t, 64), f32(b, t, 64), jnp.asarray(write_slots),
+            jnp.asarray(mask), cache_k, cache_v, jnp.asarray(write_slots))
+    assert uses_attention_kernel((b, t, 4, 16), 2, jnp.float32)
+    previous = library.set_kernel_enabled(None)
+    try:
+        kernel = draft_step_cached(*args, outputs_at=at)
+        library.set_kernel_enabled(tuple(f for f in library.FAMILIES if f != "attention"))
+        xla = draft_step_cached(*args, outputs_at=at)
+    finally:
+        library.set_kernel_enabled(previous)
+    for name, got, want in zip(("feature", "logits", "cache_k", "cache_v"), kernel, xla):
+        assert got.shape == want.shape, name
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=name)
+    np.testing.assert_array_equal(kernel[3], xla[3])  # values are written as they are

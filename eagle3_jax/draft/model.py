@@ -25,9 +25,9 @@ import jax.numpy as jnp
 
 from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.draft.params import is_serving
-from eagle3_jax.kernels import rows_matmul
-from eagle3_jax.model.layers import (apply_rope, attention, empty_kv, rms_norm, rope_inv_freq,
-                                     swiglu, write_kv)
+from eagle3_jax.kernels import rows_matmul, uses_attention_kernel
+from eagle3_jax.model.layers import (attention, attention_with_cache, empty_kv, rms_norm,
+                                     rope_cos_sin, rope_inv_freq, rotate, swiglu, write_kv)
 from eagle3_jax.model.params import Params
 
 
@@ -61,9 +61,20 @@ def next_feature(params: Params, cfg: DraftConfig, h: jax.Array) -> jax.Array:
 def project_qkv(params: Params, cfg: DraftConfig, embeds: jax.Array, g: jax.Array,
                 positions: jax.Array):
     """q [B, T, N, H], k, v [B, T, K, H] from the embedding and feature, rotated at positions."""
+    q, k, v = _qkv(params, cfg, embeds, g)
+    rope = _rope(cfg, positions)
+    return rotate(q, *rope), rotate(k, *rope), v
+
+
+def _rope(cfg: DraftConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [B, T, H/2] of ``positions`` [B, T] for the head's RoPE."""
+    return rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+
+
+def _qkv(params: Params, cfg: DraftConfig, embeds: jax.Array, g: jax.Array):
+    """q [B, T, N, H], k, v [B, T, K, H] from the embedding and feature, not yet rotated."""
     x = jnp.concatenate([rms_norm(embeds.astype(g.dtype), params["attn_norm"], cfg.rms_norm_eps),
                          rms_norm(g, params["hidden_norm"], cfg.rms_norm_eps)], axis=-1)
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     b, t, e = x.shape
     n, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if is_serving(params):
@@ -72,9 +83,7 @@ def project_qkv(params: Params, cfg: DraftConfig, embeds: jax.Array, g: jax.Arra
     else:
         q, k, v = (rows_matmul(x, params[w].reshape(e, -1), in_out=True)
                    for w in ("wq", "wk", "wv"))
-    q = apply_rope(q.reshape(b, t, n, hd), positions, inv_freq)
-    k = apply_rope(k.reshape(b, t, kv, hd), positions, inv_freq)
-    return q, k, v.reshape(b, t, kv, hd)
+    return q.reshape(b, t, n, hd), k.reshape(b, t, kv, hd), v.reshape(b, t, kv, hd)
 
 
 def finish_layer(params: Params, cfg: DraftConfig, g: jax.Array, attn: jax.Array) -> jax.Array:
@@ -121,17 +130,56 @@ def draft_step_cached(params: Params, cfg: DraftConfig, embeds: jax.Array, g: ja
       cache_k: [B, K, H, S]; cache_v: [B, K, S, H] (``empty_draft_cache``).
       write_slots: [B, T] slots for this step's keys.
       outputs_at: [B] one position per row, or None (all T): every position's keys and values
-        enter the cache, but the layer's output (attention, MLP, output head) is computed at
-        these positions only (T' = 1 below). A prefill over a long prompt then pays for one
-        output, not one per prompt token.
+        enter the cache, but the layer's output (MLP, output head; the attention too where the
+        CPU kernel does not run it) is computed at these positions only (T' = 1 below). A
+        prefill over a long prompt then pays for one output, not one per prompt token.
     Returns:
       (the next step's feature [B, T', D] (:func:`next_feature`), logits [B, T', Vd], cache_k,
       cache_v).
+
+    On CPU, for the few tokens of a tree level or a catch-up, the attention is the target's
+    custom call (``kernels.cached_attention``: RoPE, scores, softmax and values in one call
+    instead of a dozen small XLA ops, ~0.1 ms a step on a 2-core CPU): it reads the cache as it
+    was, with ``mask`` split into the slots not being written and the new tokens themselves
+    (:func:`split_write_mask`), and the rotated keys are written after it. Elsewhere the keys are
+    written first and XLA's attention reads the cache with ``mask`` as it is. The same values up
+    to float32 round-off.
     """
-    q, k, v = project_qkv(params, cfg, embeds, g, positions)
+    q, k, v = _qkv(params, cfg, embeds, g)
+    rope = _rope(cfg, positions)
     rows = jnp.arange(k.shape[0])[:, None]
-    cache_k, cache_v = write_kv(cache_k, cache_v, rows, write_slots, k, v)  # k, v [B, T, K, H]
-    if outputs_at is not None:
-        q, g, mask = (a[rows[:, 0], outputs_at][:, None] for a in (q, g, mask))
-    h = finish_layer(params, cfg, g, attention(q, [(cache_k, cache_v, mask)]))
+    if uses_attention_kernel(q.shape, cfg.num_kv_heads, q.dtype):
+        past_mask, new_mask = split_write_mask(mask, write_slots)
+        attn, k = attention_with_cache(q, k, v, rope, (cache_k, cache_v, past_mask), new_mask)
+        cache_k, cache_v = write_kv(cache_k, cache_v, rows, write_slots, k, v)
+        if outputs_at is not None:
+            attn, g = (a[rows[:, 0], outputs_at][:, None] for a in (attn, g))
+    else:
+        q, k = rotate(q, *rope), rotate(k, *rope)
+        cache_k, cache_v = write_kv(cache_k, cache_v, rows, write_slots, k, v)  # [B, T, K, H]
+        if outputs_at is not None:
+            q, g, mask = (a[rows[:, 0], outputs_at][:, None] for a in (q, g, mask))
+        attn = attention(q, [(cache_k, cache_v, mask)])
+    h = finish_layer(params, cfg, g, attn)
     return next_feature(params, cfg, h), draft_logits(params, cfg, h), cache_k, cache_v
+
+
+def split_write_mask(mask: jax.Array, write_slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A mask over the cache after a write -> the same visibility over (the cache before it,
+    the tokens being written).
+
+    Args:
+      mask: [B, T, S] bool, True where token t may see slot s once the T tokens are written.
+      write_slots: [B, T] the tokens' slots (a slot past the cache drops its token, which no
+        one then sees).
+    Returns:
+      (past [B, T, S]: ``mask`` without the slots being written, new [B, T, T]: token t sees
+      token j where ``mask`` shows j's slot).
+    """
+    b, t, s = mask.shape
+    rows = jnp.arange(b)[:, None]
+    written = jnp.zeros((b, s), bool).at[rows, write_slots].set(True, mode="drop")
+    inside = write_slots < s  # [B, T]
+    at = jnp.broadcast_to(jnp.clip(write_slots, 0, s - 1)[:, None, :], (b, t, t))
+    new = jnp.take_along_axis(mask, at, axis=2) & inside[:, None, :]
+    return mask & ~written[:, None, :], new
