@@ -144,7 +144,7 @@ def test_better_heads_and_cheaper_drafts_grow_the_tree():
     assert select_tree(costs, [0.9], depth=2).tree.depth == 2
 
 
-def _brute_force_best(costs, rates, scale, max_tokens=64, decay=1.0):
+def _brute_force_best(costs, rates, scale, max_tokens=64, decay=1.0, min_tokens=2):
     """The (tree, tau) with the highest scaled tau / modelled seconds, from
     ``expected_accept_length`` of every tree (not the selection's cumulative sums); with a
     ``decay``, from its ``level_sums`` weighted scale * decay**level."""
@@ -152,7 +152,7 @@ def _brute_force_best(costs, rates, scale, max_tokens=64, decay=1.0):
     for k in autotune.TOP_KS:
         for d in autotune.DEPTHS:
             n_candidates = TreeConfig(tree_top_k=k, depth=d, total_tokens=2).num_candidates
-            for total in range(2, min(max_tokens, costs.max_tokens, n_candidates + 1) + 1):
+            for total in range(min_tokens, min(max_tokens, costs.max_tokens, n_candidates + 1) + 1):
                 tree = TreeConfig(tree_top_k=k, depth=d, total_tokens=total)
                 tau = (1 + scale * (expected_accept_length(tree, rates) - 1) if decay == 1.0
                        else 1 + scale * float(level_sums(tree, rates) @ decay ** np.arange(d)))
@@ -207,18 +207,22 @@ def test_a_per_level_decay_credits_deep_nodes_less_and_picks_a_shallower_tree():
             select_tree(costs, rates, accept_decay=bad)
 
 
-def test_finalists_add_the_models_best_tree_of_half_the_size():
-    """Where the model's best few are one size, the best tree of at most half its tokens is timed
-    too (the brute-force best under that cap); no duplicate when it is already there."""
+def test_finalists_add_the_models_best_trees_of_half_and_up_to_twice_the_size():
+    """Where the model's best few are one size, the best tree of at most half its tokens and the
+    best of more than its tokens and at most twice them are timed too (the brute-force best
+    within those bounds); no duplicate when one is already there."""
     costs = CostModel(target={t: 0.010 + 0.0002 * t for t in SIZES}, draft=CHEAP_DRAFT)
     rates = [0.8, 0.75, 0.7, 0.65, 0.6]
     top = autotune.select_trees(costs, rates, 3)
     final = autotune.finalists(costs, rates, 3)
-    assert final[:3] == top and len(final) == 4
-    half = top[0].tree.total_tokens // 2
-    small = final[3]
-    assert small.tree.total_tokens <= half
-    assert small.tokens_per_s == pytest.approx(_brute_force_best(costs, rates, 1.0, half)[2])
+    assert final[:3] == top and len(final) == 5
+    best = top[0].tree.total_tokens
+    small, large = final[3:]
+    assert small.tree.total_tokens <= best // 2
+    assert small.tokens_per_s == pytest.approx(_brute_force_best(costs, rates, 1.0, best // 2)[2])
+    assert best < large.tree.total_tokens <= 2 * best
+    assert large.tokens_per_s == pytest.approx(
+        _brute_force_best(costs, rates, 1.0, 2 * best, min_tokens=best + 1)[2])
     assert autotune.finalists(costs, rates, 1) == top[:1]
     # A cap the best tree already meets adds nothing twice.
     steep = CostModel(target={t: 0.010 + 0.010 * t for t in SIZES}, draft=CHEAP_DRAFT)

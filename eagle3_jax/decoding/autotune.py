@@ -160,12 +160,13 @@ def select_trees(costs: CostModel, rates: Sequence[Rate] | None = None, n: int =
                  tree_top_k: int | None = None, depth: int | None = None,
                  tree_top_ks: Sequence[int] = TOP_KS, depths: Sequence[int] = DEPTHS,
                  accept_scale: float = 1.0, accept_decay: float = 1.0,
-                 max_tokens: int | None = None) -> list[TreeChoice]:
+                 max_tokens: int | None = None, min_tokens: int = 2) -> list[TreeChoice]:
     """The ``n`` tree shapes (tree_top_k, depth) with the highest modelled tokens/s, each at its
     best total_tokens, best first (ties: the smaller tree).
 
     ``tree_top_k`` / ``depth`` fix that dimension (a user's ``--tree-top-k`` / ``--depth``);
-    total_tokens ranges over 2 .. ``max_tokens`` (default: the largest measured T).
+    total_tokens ranges over ``min_tokens`` .. ``max_tokens`` (default: 2 .. the largest
+    measured T).
     ``accept_scale``, ``accept_decay``: the head's live calibration
     (:mod:`eagle3_jax.decoding.calibration`): a node at draft level l (0: the root's children)
     counts ``accept_scale * accept_decay**l`` times its modelled acceptance, so with decay 1 the
@@ -191,7 +192,7 @@ def select_trees(costs: CostModel, rates: Sequence[Rate] | None = None, n: int =
             tau = 1.0 + np.concatenate([[0.0], np.cumsum(scores)])  # tau[n] for n drafts
             draft = costs.draft_cost(d, k)
             best: TreeChoice | None = None
-            for total in range(2, min(len(scores) + 1, max_tokens) + 1):
+            for total in range(max(min_tokens, 2), min(len(scores) + 1, max_tokens) + 1):
                 seconds = costs.target_cost(total) + draft
                 speed = tau[total - 1] / seconds
                 if best is None or speed > best.tokens_per_s:
@@ -201,7 +202,7 @@ def select_trees(costs: CostModel, rates: Sequence[Rate] | None = None, n: int =
                 shapes.append(best)
     if not shapes:
         raise AutotuneError(f"no tree fits tree_top_k={tree_top_ks}, depth={depths} and the "
-                            f"sizes up to {max_tokens} tokens")
+                            f"sizes {max(min_tokens, 2)} to {max_tokens} tokens")
     return sorted(shapes, key=lambda c: -c.tokens_per_s)[:max(int(n), 1)]  # stable: ties keep order
 
 
@@ -273,7 +274,7 @@ def _write(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def measure_costs(target_params, cfg, head, context: int, *, batch: int = 1, repeats: int = 5,
+def measure_costs(target_params, cfg, head, context: int, *, batch: int = 1, repeats: int = 9,
                   sizes: Sequence[int] = TARGET_SIZES, widths: Sequence[int] = DRAFT_WIDTHS,
                   directory: str | Path | None = None,
                   log: Callable[[str], None] = lambda s: None) -> CostModel:
@@ -314,16 +315,24 @@ def autotune_context(prompt_length: int) -> int:
 def finalists(costs: CostModel, rates: Sequence[Rate] | None, ranked: int,
               **kwargs) -> list[TreeChoice]:
     """The trees worth timing as whole rounds: the model's ``ranked`` best shapes, then (when
-    ``ranked`` > 1) the model's best tree of at most half the best one's tokens, where it is not
-    among them already. The model's best few are often one size (8 nodes, within 2% of each
-    other, in stop 21), and a small tree's fixed costs are where the model errs most.
+    ``ranked`` > 1) the model's best tree of at most half the best one's tokens and its best of
+    more than the best one's tokens and at most twice them, where not among them already. The
+    model's best few are often one size (8 nodes, within 2% of each other, in stop 21), a small
+    tree's fixed costs are where the model errs most, and a slow spell in the forward curve it
+    reads moves its pick a size: stop 30's curve (5 interleaved repeats, now 9) had 8 tokens
+    3.7 ms dearer than 4 where 8 measure 1-2 ms cheaper, and every finalist had 4 nodes.
     ``kwargs``: :func:`select_trees`'."""
     choices = select_trees(costs, rates, ranked, **kwargs)
-    half = choices[0].tree.total_tokens // 2
-    if ranked > 1 and half >= 2:
-        small = select_trees(costs, rates, 1, max_tokens=half, **kwargs)[0]
-        if small.tree not in [c.tree for c in choices]:
-            choices.append(small)
+    best = choices[0].tree.total_tokens
+    if ranked > 1:
+        for bounds in ({"max_tokens": best // 2},
+                       {"min_tokens": best + 1, "max_tokens": 2 * best}):
+            try:
+                other = select_trees(costs, rates, 1, **bounds, **kwargs)[0]
+            except AutotuneError:  # no tree of that size (too small, past the curve or the shape)
+                continue
+            if other.tree not in [c.tree for c in choices]:
+                choices.append(other)
     return choices
 
 

@@ -127,7 +127,8 @@ def attention_with_cache(q: jax.Array, k: jax.Array, v: jax.Array,
                          past: tuple[jax.Array, jax.Array, jax.Array] | None,
                          new_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """RoPE, then attention of T new tokens over the KV cache and themselves: the target's
-    attention.
+    attention, and the draft's for the few tokens of a decoding step
+    (``draft.model.draft_step_cached``).
 
     Args:
       q: [B, T, N, H] queries, as projected (not yet rotated).
