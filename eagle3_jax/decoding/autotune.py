@@ -31,8 +31,8 @@ of the platform, device kind, target config, JAX version and the source of the c
 under a hash of the draft config inside the same file. A flat cost curve (accelerators, memory
 bound) picks a big tree, a steep one (CPUs, compute bound) a small one.
 
-The decoder then times the model's ``RANKED_TREES`` best shapes, and its best tree of half the
-size (:func:`finalists`), as whole rounds against plain steps, all interleaved in one
+The decoder then times the model's ``RANKED_TREES`` best shapes, and its best trees of up to
+half and up to twice the size (:func:`finalists`), as whole rounds against plain steps, all interleaved in one
 measurement (:func:`measure_round_costs`: what the model leaves out, the round's own work,
 included) and keeps the best measured speed-up at the modelled tau (:func:`autotune_tree`).
 """
@@ -114,8 +114,8 @@ MIN_PREDICTED_SPEEDUP = 1.1
 # the model leaves the round's own work out, and shapes it rates within a few percent of each
 # other swapped places between re-measurements of the cost curve (4/4/8, 1/4/5, 2/3/8, 1/4/5
 # in stops 17-19 on this CPU); :func:`finalists` adds the best tree of half the size, which
-# the model's 8-node finalists crowded out in stop 21 (it measured 0.12x faster). 1 turns it
-# off.
+# the model's 8-node finalists crowded out in stop 21 (it measured 0.12x faster), and the best
+# of up to twice the size, which a noisy forward curve left out in stop 30. 1 turns it off.
 RANKED_TREES = 3
 
 
