@@ -32,9 +32,10 @@ under a hash of the draft config inside the same file. A flat cost curve (accele
 bound) picks a big tree, a steep one (CPUs, compute bound) a small one.
 
 The decoder then times the model's ``RANKED_TREES`` best shapes, and its best trees of up to
-half and up to twice the size (:func:`finalists`), as whole rounds against plain steps, all interleaved in one
-measurement (:func:`measure_round_costs`: what the model leaves out, the round's own work,
-included) and keeps the best measured speed-up at the modelled tau (:func:`autotune_tree`).
+half and up to twice the size (:func:`finalists`), as whole rounds against plain steps, all
+interleaved in one measurement (:func:`measure_round_costs`: what the model leaves out, the
+round's own work, included) and keeps the best measured speed-up at the modelled tau
+(:func:`autotune_tree`).
 """
 
 from __future__ import annotations
