@@ -151,10 +151,9 @@ def draft_step_cached(params: Params, cfg: DraftConfig, embeds: jax.Array, g: ja
     if uses_attention_kernel(q.shape, cfg.num_kv_heads, q.dtype):
         past_mask, new_mask = split_write_mask(mask, write_slots)
         attn, k = attention_with_cache(q, k, v, rope, (cache_k, cache_v, past_mask), new_mask)
-        # The values made to depend on the kernel's output (adding 0), as the keys are, so XLA
-        # writes both caches in place after the kernel has read them instead of copying them.
-        order = 0 * attn[:, :, :1, :1]  # [B, T, 1, 1]
-        cache_k, cache_v = write_kv(cache_k, cache_v, rows, write_slots, k, v + order)
+        # Written after the kernel's read of both caches, in place (the values, unlike the
+        # rotated keys, would not depend on the kernel otherwise, and XLA copied their cache).
+        cache_k, cache_v = write_kv(cache_k, cache_v, rows, write_slots, k, v, after=attn)
         if outputs_at is not None:
             attn, g = (a[rows[:, 0], outputs_at][:, None] for a in (attn, g))
     else:

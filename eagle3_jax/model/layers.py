@@ -82,9 +82,18 @@ def resize_kv(k: jax.Array, v: jax.Array, slots: int) -> tuple[jax.Array, jax.Ar
 
 
 def write_kv(k: jax.Array, v: jax.Array, rows: jax.Array, slots: jax.Array, new_k: jax.Array,
-             new_v: jax.Array):
+             new_v: jax.Array, after: jax.Array | None = None):
     """Write [B, T, K, H] blocks at ``slots`` [B, T] of ``rows`` [B, 1]; slots past the end are
-    dropped. (In k [B, K, H, S] the advanced indices are apart, so theirs come first.)"""
+    dropped. (In k [B, K, H, S] the advanced indices are apart, so theirs come first.)
+
+    ``after``: an array [B, T, ...] computed from the buffers' last reads (a layer's output, an
+    attention kernel's). The blocks are made to depend on it (adding 0 changes nothing for finite
+    values), so XLA orders the writes after every read of ``k`` and ``v`` and updates them in
+    place instead of copying them."""
+    if after is not None:
+        b, t = new_k.shape[:2]
+        order = (0 * after.reshape(b, t, -1)[:, :, None, :1]).astype(new_v.dtype)  # [B, T, 1, 1]
+        new_k, new_v = new_k + order, new_v + order
     return (k.at[rows, :, :, slots].set(new_k, mode="drop"),
             v.at[rows, :, slots].set(new_v, mode="drop"))
 

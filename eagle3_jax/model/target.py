@@ -373,16 +373,15 @@ def prefill_chunk(cfg: TargetConfig, width: int) -> int | None:
 def _write_cache(cache: KVCache, new_k, new_v, after: jax.Array) -> KVCache:
     """Write each layer's new keys / values [B, T, K, H] at slots [end, end + T).
 
-    Out-of-range slots are dropped; decoders stop before the cache is full. The values are made
-    to depend on ``after`` (the final hidden state, [B, T, D]; adding 0 changes nothing for finite
-    values) so XLA orders every write after every read of the cache and updates the buffers in
-    place instead of copying each layer's cache every step.
+    Out-of-range slots are dropped; decoders stop before the cache is full. ``after`` (the final
+    hidden state, [B, T, D]) orders every write after every read of the cache
+    (:func:`write_kv`), so XLA updates the buffers in place instead of copying each layer's
+    cache every step.
     """
     b, t = after.shape[:2]
     rows = jnp.arange(b)[:, None]
     slots = cache.end[:, None] + jnp.arange(t)[None, :]  # [B, T]
-    order = (0 * after[:, :, None, :1]).astype(new_v[0].dtype)  # [B, T, 1, 1]
-    written = [write_kv(k, v, rows, slots, nk + order, nv + order)
+    written = [write_kv(k, v, rows, slots, nk, nv, after=after)
                for k, v, nk, nv in zip(cache.k, cache.v, new_k, new_v)]
     k, v = (tuple(layers) for layers in zip(*written))
     return dataclasses.replace(cache, k=k, v=v)
