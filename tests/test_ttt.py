@@ -141,6 +141,41 @@ def test_gradients_equal_unrolled_reference():
         np.testing.assert_allclose(g_scan[name], g_ref[name], atol=1e-6, rtol=1e-4, err_msg=name)
 
 
+@pytest.mark.parametrize("seen", [0, 2])
+def test_ttt_attention_value_and_gradient_equal_autodiff_of_the_softmax(seen):
+    """``ttt_attention`` recomputes its probabilities in the backward pass: its value and every
+    input's cotangent against autodiff of one softmax over the concatenated scores, with a fully
+    masked (padding) query row and 0 or 2 diagonal steps seen."""
+    from eagle3_jax.draft.ttt import ttt_attention
+
+    b, t, kh, g, h, j = 2, 6, 2, 3, 4, 4
+    keys = jax.random.split(jax.random.key(3), 6)
+    q = jax.random.normal(keys[0], (b, t, kh, g, h))
+    k0, v0 = (jax.random.normal(k, (b, t, kh, h)) for k in keys[1:3])
+    diag_k, diag_v = (jax.random.normal(k, (j, b, t, kh, h)) for k in keys[3:5])
+    d_out = jax.random.normal(keys[5], (b, t, kh, g, h))
+    causal = jnp.tril(jnp.ones((t, t), bool))[None].repeat(b, 0).at[1, 2].set(False)
+    diag_ok = (jnp.arange(j) >= 1) & (jnp.arange(j) <= seen)
+    scale = 0.5
+
+    def definition(q, k0, v0, diag_k, diag_v):
+        neg = jnp.finfo(jnp.float32).min
+        s_ctx = jnp.einsum("BTKGH,BSKH->BKGTS", q, k0) * scale
+        s_diag = jnp.einsum("BTKGH,JBTKH->BKGTJ", q, diag_k) * scale
+        s = jnp.concatenate([jnp.where(causal[:, None, None], s_ctx, neg),
+                             jnp.where(diag_ok, s_diag, neg)], -1)
+        p = jax.nn.softmax(s, -1)
+        return (jnp.einsum("BKGTS,BSKH->BTKGH", p[..., :t], v0)
+                + jnp.einsum("BKGTJ,JBTKH->BTKGH", p[..., t:], diag_v))
+
+    args = (q, k0, v0, diag_k, diag_v)
+    got, vjp_got = jax.vjp(lambda *a: ttt_attention(*a, causal, diag_ok, scale), *args)
+    want, vjp_want = jax.vjp(definition, *args)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for name, a, r in zip(["q", "k0", "v0", "diag_k", "diag_v"], vjp_got(d_out), vjp_want(d_out)):
+        np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 @pytest.mark.parametrize("eagle31", [False, True])
 def test_training_logits_equal_inference_step_by_step(eagle31):
     """Depth-i node at inference (context + ancestors in the draft KV cache) == TTT step i."""
@@ -290,9 +325,10 @@ def test_training_path_loss_and_accuracy_equal_the_reference():
 
 
 def test_head_cross_entropy_equals_autodiff_of_its_definition():
-    """Value, top-1 and gradients (x, w) of the fused head loss against autodiff of
+    """Value, top-1 hit and gradients (x, w) of the fused head loss against autodiff of
     sum weight * -sum p log softmax(x @ w), with the target restricted to part of the
-    vocabulary (sum p < 1, as a draft vocabulary leaves it) and zero weights included."""
+    vocabulary (sum p < 1, as a draft vocabulary leaves it) and zero weights included; the hit
+    against argmax, for labels that are the draft's top-1 at some positions and not at others."""
     from eagle3_jax.draft.ttt import head_cross_entropy
 
     keys = jax.random.split(jax.random.key(7), 4)
@@ -301,17 +337,20 @@ def test_head_cross_entropy_equals_autodiff_of_its_definition():
     full = jax.nn.log_softmax(2 * jax.random.normal(keys[2], (3, 7, VD + 9)))
     target = full[..., :VD]  # restricted: the rest of the mass is off the draft vocabulary
     weight = jax.random.uniform(keys[3], (3, 7)) * (jnp.arange(7) % 3 != 0)
+    top1 = jnp.argmax(jnp.einsum("btd,dv->btv", x, w), -1)
+    label = jnp.where(jnp.arange(7) % 2 == 0, top1, (top1 + 1) % VD)
 
     def definition(x, w):
         logq = jax.nn.log_softmax(jnp.einsum("btd,dv->btv", x, w), -1)
         return -jnp.sum(weight * jnp.sum(jnp.exp(target) * logq, -1))
 
     def fused(x, w):
-        return head_cross_entropy(x, w, target, weight)[0]
+        return head_cross_entropy(x, w, target, weight, label)[0]
 
-    loss, top1 = head_cross_entropy(x, w, target, weight)
+    loss, hit = head_cross_entropy(x, w, target, weight, label)
     np.testing.assert_allclose(float(loss), float(definition(x, w)), rtol=1e-6)
-    np.testing.assert_array_equal(top1, jnp.argmax(jnp.einsum("btd,dv->btv", x, w), -1))
+    np.testing.assert_array_equal(hit, top1 == label)
+    assert 0 < int(jnp.sum(hit)) < hit.size
     got, want = jax.grad(fused, (0, 1))(x, w), jax.grad(definition, (0, 1))(x, w)
     for g, r in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)

@@ -28,6 +28,7 @@ total variation as it nears the target.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -106,6 +107,9 @@ def ttt_forward(
     logp_p = padded(batch.target_logp, 0.0)
     in_draft_p = padded(batch.target_in_draft, False)
     loss_mask_p = padded(batch.loss_mask, False)
+    # The target's token at every index, once: step i reads it shifted by i (one argmax over
+    # [B, T + K + 2, Vd] rather than one a step; argmax is a slow reduction on XLA CPU).
+    labels_p = jnp.argmax(logp_p, -1)
     shifted = lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, t, axis=1)
 
     seg = batch.segment_ids
@@ -129,17 +133,9 @@ def ttt_forward(
         diag_v = diag_v.at[i].set(v)
         # Scores against step-0 keys (causal) and the diagonal keys of steps 1..i.
         qg = q.reshape(b, t, cfg.num_kv_heads, -1, cfg.head_dim)  # [B, T, K, G, H]
-        s_ctx = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k0, preferred_element_type=jnp.float32)
-        s_diag = jnp.einsum("BTKGH,JBTKH->BKGTJ", qg, diag_k, preferred_element_type=jnp.float32)
         steps = jnp.arange(k_steps)
         diag_ok = (steps >= 1) & (steps <= i)  # [K]
-        neg = jnp.finfo(jnp.float32).min
-        s_ctx = jnp.where(causal[:, None, None], s_ctx * scale, neg)
-        s_diag = jnp.where(diag_ok, s_diag * scale, neg)
-        probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_diag], axis=-1), axis=-1)
-        p_ctx, p_diag = probs[..., :t].astype(v.dtype), probs[..., t:].astype(v.dtype)
-        attn = (jnp.einsum("BKGTS,BSKH->BTKGH", p_ctx, v0)
-                + jnp.einsum("BKGTJ,JBTKH->BTKGH", p_diag, diag_v))
+        attn = ttt_attention(qg, k0, v0, diag_k, diag_v, causal, diag_ok, scale)
         attn = attn.reshape(b, t, cfg.num_heads, cfg.head_dim)
         h = finish_layer(params, cfg, g, attn)
 
@@ -151,20 +147,21 @@ def ttt_forward(
         weight = (shifted(loss_mask_p, i + mask_offset) & shifted(in_draft_p, i + 1) & same_doc
                   & (seg > 0)).astype(jnp.float32)
         n_scored = jnp.sum(weight)
-        label = jnp.argmax(label_logp, -1)
+        label = shifted(labels_p, i + 1)
         if objective == "kl" and not (return_logits or hit_ranks):
             # Training: the loss, its gradient through the output head and the draft's top-1
-            # in one function (``head_cross_entropy``): nothing [B, T, Vd] is kept for backward.
-            loss_i, top1 = head_cross_entropy(head_input(params, cfg, h), params["lm_head"],
-                                              label_logp, weight / jnp.maximum(n_scored, 1.0))
+            # hit in one function (``head_cross_entropy``): nothing [B, T, Vd] is kept for
+            # backward.
+            loss_i, hit = head_cross_entropy(head_input(params, cfg, h), params["lm_head"],
+                                             label_logp, weight / jnp.maximum(n_scored, 1.0),
+                                             label)
             logits = None
         else:
             logits = draft_logits(params, cfg, h)  # [B, T, Vd]
             logq = jax.nn.log_softmax(logits, axis=-1)
             per_pos = position_loss(label_logp, logq, objective)  # [B, T]
             loss_i = jnp.sum(per_pos * weight) / jnp.maximum(n_scored, 1.0)
-            top1 = jnp.argmax(logits, -1)
-        hit = top1 == label
+            hit = label_is_top1(logits, label)
         acc_i = jnp.sum(hit * weight) / jnp.maximum(n_scored, 1.0)
         hits_i = None
         if hit_ranks:
@@ -188,6 +185,81 @@ def ttt_forward(
     return jnp.sum(weights * losses), metrics
 
 
+def _ttt_scores(q, k0, diag_k, causal, diag_ok, scale):
+    """Masked scores of ``ttt_attention``: ([B, K, G, T, S], [B, K, G, T, J]) float32."""
+    neg = jnp.finfo(jnp.float32).min
+    s_ctx = jnp.einsum("BTKGH,BSKH->BKGTS", q, k0, preferred_element_type=jnp.float32)
+    s_diag = jnp.einsum("BTKGH,JBTKH->BKGTJ", q, diag_k, preferred_element_type=jnp.float32)
+    return (jnp.where(causal[:, None, None], s_ctx * scale, neg),
+            jnp.where(diag_ok, s_diag * scale, neg))
+
+
+def _ttt_attention_fwd_parts(q, k0, v0, diag_k, diag_v, causal, diag_ok, scale):
+    s_ctx, s_diag = _ttt_scores(q, k0, diag_k, causal, diag_ok, scale)
+    # One softmax over both key sets, without concatenating them.
+    m = jnp.maximum(jnp.max(s_ctx, -1), jnp.max(s_diag, -1))[..., None]  # [B, K, G, T, 1]
+    e_ctx, e_diag = jnp.exp(s_ctx - m), jnp.exp(s_diag - m)
+    inv = 1.0 / (jnp.sum(e_ctx, -1, keepdims=True) + jnp.sum(e_diag, -1, keepdims=True))
+    p_ctx, p_diag = (e_ctx * inv).astype(v0.dtype), (e_diag * inv).astype(v0.dtype)
+    out = (jnp.einsum("BKGTS,BSKH->BTKGH", p_ctx, v0)
+           + jnp.einsum("BKGTJ,JBTKH->BTKGH", p_diag, diag_v))
+    return out, (m, inv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def ttt_attention(q: jax.Array, k0: jax.Array, v0: jax.Array, diag_k: jax.Array,
+                  diag_v: jax.Array, causal: jax.Array, diag_ok: jax.Array,
+                  scale: float) -> jax.Array:
+    """A TTT step's attention: the step-0 keys under ``causal`` plus the diagonal keys.
+
+    Args:
+      q: [B, T, K, G, H] queries (G query heads per kv head); k0, v0: [B, S=T, K, H] the
+        step-0 keys and values; diag_k, diag_v: [J, B, T, K, H] each step's key and value at
+        its own index; causal: [B, T, S] bool; diag_ok: [J] bool, the diagonal steps seen.
+    Returns:
+      [B, T, K, G, H] in v0's dtype: softmax over the S + J scores of each query.
+
+    Its gradient recomputes the probabilities from q and the keys (flash attention's
+    backward, untiled) instead of keeping them: autodiff kept two [K_steps, B, K, G, T, T + J]
+    float32 stacks a training step (1.6 GB at 4 x 512 tokens, 7 steps), zero-filled and written
+    every step. A fully masked row (padding) is uniform, as ``jax.nn.softmax`` makes it.
+    """
+    return _ttt_attention_fwd_parts(q, k0, v0, diag_k, diag_v, causal, diag_ok, scale)[0]
+
+
+def _ttt_attention_fwd(q, k0, v0, diag_k, diag_v, causal, diag_ok, scale):
+    out, (m, inv) = _ttt_attention_fwd_parts(q, k0, v0, diag_k, diag_v, causal, diag_ok,
+                                             scale)
+    return out, (q, k0, v0, diag_k, diag_v, causal, diag_ok, out, m, inv)
+
+
+def _ttt_attention_bwd(scale, residuals, d_out):
+    q, k0, v0, diag_k, diag_v, causal, diag_ok, out, m, inv = residuals
+    f32 = jnp.float32
+    s_ctx, s_diag = _ttt_scores(q, k0, diag_k, causal, diag_ok, scale)
+    p_ctx, p_diag = jnp.exp(s_ctx - m) * inv, jnp.exp(s_diag - m) * inv
+    d_out = d_out.astype(f32)
+    d_v0 = jnp.einsum("BKGTS,BTKGH->BSKH", p_ctx, d_out)
+    d_diag_v = jnp.einsum("BKGTJ,BTKGH->JBTKH", p_diag, d_out)
+    dp_ctx = jnp.einsum("BTKGH,BSKH->BKGTS", d_out, v0, preferred_element_type=f32)
+    dp_diag = jnp.einsum("BTKGH,JBTKH->BKGTJ", d_out, diag_v, preferred_element_type=f32)
+    # softmax backward: ds = p * (dp - sum_s p dp), and sum_s p dp = <d_out, out> per query.
+    delta = jnp.einsum("BTKGH,BTKGH->BKGT", d_out, out.astype(f32))[..., None]
+    # Masked scores are constants: no gradient (a fully masked row has p > 0 there).
+    ds_ctx = jnp.where(causal[:, None, None], p_ctx * (dp_ctx - delta) * scale, 0.0)
+    ds_diag = jnp.where(diag_ok, p_diag * (dp_diag - delta) * scale, 0.0)
+    d_q = (jnp.einsum("BKGTS,BSKH->BTKGH", ds_ctx, k0, preferred_element_type=f32)
+           + jnp.einsum("BKGTJ,JBTKH->BTKGH", ds_diag, diag_k, preferred_element_type=f32))
+    d_k0 = jnp.einsum("BKGTS,BTKGH->BSKH", ds_ctx, q, preferred_element_type=f32)
+    d_diag_k = jnp.einsum("BKGTJ,BTKGH->JBTKH", ds_diag, q, preferred_element_type=f32)
+    cast = lambda g, x: g.astype(x.dtype)  # noqa: E731
+    return (cast(d_q, q), cast(d_k0, k0), cast(d_v0, v0), cast(d_diag_k, diag_k),
+            cast(d_diag_v, diag_v), None, None)
+
+
+ttt_attention.defvjp(_ttt_attention_fwd, _ttt_attention_bwd)
+
+
 def position_loss(target_logp: jax.Array, draft_logq: jax.Array, objective: str) -> jax.Array:
     """Per-position loss [...] of the draft's log-probabilities against the target's, both
     [..., Vd] (module doc): "kl" the cross-entropy, "lk" the LK hybrid."""
@@ -201,18 +273,27 @@ def position_loss(target_logp: jax.Array, draft_logq: jax.Array, objective: str)
     return lam * (cross_entropy - entropy) + (1.0 - lam) * (1.0 - alpha)
 
 
+def label_is_top1(logits: jax.Array, label: jax.Array) -> jax.Array:
+    """[...] bool: the label's logit is the largest of ``logits`` [..., V] (rank 0; a tie counts
+    as a hit). One max and one gather: XLA CPU runs a max as a fast vectorised reduction, an
+    argmax (a variadic reduction) about 20x slower (37 ms over [2048, 8192])."""
+    label_logit = jnp.take_along_axis(logits, label[..., None], axis=-1)[..., 0]
+    return label_logit >= jnp.max(logits, axis=-1)
+
+
 @jax.custom_vjp
 def head_cross_entropy(x: jax.Array, w: jax.Array, target_logp: jax.Array,
-                       weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+                       weight: jax.Array, label: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The "kl" objective through the draft's output head, with its gradient computed forward.
 
     Args:
       x: [..., D] the normed hidden state; w: [D, Vd] the output head (``lm_head``).
       target_logp: [..., Vd] the target's log-probabilities over the draft vocabulary.
       weight: [...] each position's weight in the sum (no gradient).
+      label: [...] int32 the target's token (in the draft vocabulary) at each position.
     Returns:
-      (sum over positions of weight * cross-entropy(p, softmax(x @ w)) — a scalar, the draft's
-      top-1 token [...] int32).
+      (sum over positions of weight * cross-entropy(p, softmax(x @ w)) — a scalar, whether the
+      label is the draft's top-1 [...] bool, :func:`label_is_top1`).
 
     The same value and gradients as autodiff of ``position_loss(..., "kl")`` over
     ``draft_logits``. But the loss is a scalar, so d loss / d logits =
@@ -222,11 +303,11 @@ def head_cross_entropy(x: jax.Array, w: jax.Array, target_logp: jax.Array,
     [..., Vd] logits of every TTT step (freshly zeroed scan buffers, hundreds of MB a step) and
     fuses the softmax backward into a transposing copy (``bench train``).
     """
-    loss, top1, _ = _head_cross_entropy_fwd_parts(x, w, target_logp, weight, grads=False)
-    return loss, top1
+    loss, hit, _ = _head_cross_entropy_fwd_parts(x, w, target_logp, weight, label, grads=False)
+    return loss, hit
 
 
-def _head_cross_entropy_fwd_parts(x, w, target_logp, weight, grads: bool):
+def _head_cross_entropy_fwd_parts(x, w, target_logp, weight, label, grads: bool):
     lead, d = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, d)
     logits = jnp.dot(x2, w, preferred_element_type=jnp.float32)  # [N, Vd]
@@ -234,25 +315,26 @@ def _head_cross_entropy_fwd_parts(x, w, target_logp, weight, grads: bool):
     p = jnp.exp(target_logp.reshape(logits.shape).astype(jnp.float32))
     wt = weight.reshape(-1).astype(jnp.float32)
     loss = -jnp.sum(wt * jnp.sum(p * logq, axis=-1))
-    top1 = jnp.argmax(logits, axis=-1).reshape(lead)
+    hit = label_is_top1(logits, label.reshape(-1)).reshape(lead)
     if not grads:
-        return loss, top1, None
+        return loss, hit, None
     d_logits = wt[:, None] * (jnp.exp(logq) * jnp.sum(p, axis=-1, keepdims=True) - p)
     d_x = jnp.dot(d_logits, w.T.astype(jnp.float32), preferred_element_type=jnp.float32)
     d_w = jnp.dot(x2.T.astype(jnp.float32), d_logits, preferred_element_type=jnp.float32)
-    return loss, top1, (d_x.reshape(x.shape), d_w)
+    return loss, hit, (d_x.reshape(x.shape), d_w)
 
 
-def _head_cross_entropy_fwd(x, w, target_logp, weight):
-    loss, top1, (d_x, d_w) = _head_cross_entropy_fwd_parts(x, w, target_logp, weight, grads=True)
-    return (loss, top1), (d_x.astype(x.dtype), d_w.astype(w.dtype))
+def _head_cross_entropy_fwd(x, w, target_logp, weight, label):
+    loss, hit, (d_x, d_w) = _head_cross_entropy_fwd_parts(x, w, target_logp, weight, label,
+                                                          grads=True)
+    return (loss, hit), (d_x.astype(x.dtype), d_w.astype(w.dtype))
 
 
 def _head_cross_entropy_bwd(residuals, cotangents):
     d_x, d_w = residuals
     g = cotangents[0]
-    # The target and the weights are data: no cotangent (None: zeros, nothing kept for them).
-    return (g * d_x).astype(d_x.dtype), (g * d_w).astype(d_w.dtype), None, None
+    # The target, the weights and the labels are data: no cotangent (None: zeros, nothing kept).
+    return (g * d_x).astype(d_x.dtype), (g * d_w).astype(d_w.dtype), None, None, None
 
 
 head_cross_entropy.defvjp(_head_cross_entropy_fwd, _head_cross_entropy_bwd)
