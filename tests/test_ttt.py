@@ -141,6 +141,28 @@ def test_gradients_equal_unrolled_reference():
         np.testing.assert_allclose(g_scan[name], g_ref[name], atol=1e-6, rtol=1e-4, err_msg=name)
 
 
+def test_swiglu_gradient_equals_autodiff_of_its_definition():
+    """``layers.swiglu`` writes its own gradient (x, gate, up kept): value and all four
+    cotangents against autodiff of silu(x @ w_gate) * (x @ w_up) @ w_down."""
+    from eagle3_jax.model.layers import swiglu
+
+    keys = jax.random.split(jax.random.key(11), 5)
+    x = jax.random.normal(keys[0], (2, 5, D))
+    w_gate, w_up = (0.3 * jax.random.normal(k, (D, 48)) for k in keys[1:3])
+    w_down = 0.3 * jax.random.normal(keys[3], (48, D))
+    d_out = jax.random.normal(keys[4], (2, 5, D))
+
+    def definition(x, w_gate, w_up, w_down):
+        return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+    args = (x, w_gate, w_up, w_down)
+    got, vjp_got = jax.vjp(swiglu, *args)
+    want, vjp_want = jax.vjp(definition, *args)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for name, a, r in zip(["x", "w_gate", "w_up", "w_down"], vjp_got(d_out), vjp_want(d_out)):
+        np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 @pytest.mark.parametrize("seen", [0, 2])
 def test_ttt_attention_value_and_gradient_equal_autodiff_of_the_softmax(seen):
     """``ttt_attention`` recomputes its probabilities in the backward pass: its value and every
