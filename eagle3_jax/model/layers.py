@@ -202,7 +202,8 @@ def _swiglu_bwd(residuals, d_out):
     silu = g * sig
     d_act = dot(d2, w_down.T)  # [N, F]
     d_up = (d_act * silu).astype(x.dtype)
-    d_gate = (d_act * u * sig * (1.0 + g * (1.0 - sig))).astype(x.dtype)  # silu' = sig(1 + g(1 - sig))
+    # silu'(g) = sig(g) * (1 + g * (1 - sig(g)))
+    d_gate = (d_act * u * sig * (1.0 + g * (1.0 - sig))).astype(x.dtype)
     d_x = dot(d_gate, w_gate.T) + dot(d_up, w_up.T)
     return (d_x.reshape(x.shape).astype(x.dtype),
             dot(x2.T, d_gate).astype(w_gate.dtype), dot(x2.T, d_up).astype(w_up.dtype),
