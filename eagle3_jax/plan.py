@@ -83,7 +83,8 @@ def compile_train_step(cfg, tcfg, devices) -> Any:
     from eagle3_jax.model.params import param_specs
     from eagle3_jax.sharding import make_mesh
     from eagle3_jax.train.inputs import TargetInputs
-    from eagle3_jax.train.loop import BATCH_AXES, MASTER_DTYPE, abstract_train_state
+    from eagle3_jax.sharding.activations import BATCH_AXES
+    from eagle3_jax.train.loop import MASTER_DTYPE, abstract_train_state
     from eagle3_jax.train.step import train_step
 
     mesh = make_mesh(cfg.mesh, devices)
@@ -115,7 +116,8 @@ def compile_train_step(cfg, tcfg, devices) -> Any:
                           compute_dtype=cfg.draft_compute_dtype, loss_mask=cfg.loss_mask,
                           objective=cfg.objective),
         out_shardings=(state_sh, replicated), donate_argnums=(0,))
-    return mesh, step.lower(state, frozen, vocab, batch).compile()
+    with jax.set_mesh(mesh):  # activations keep the batch split (sharding/activations.py)
+        return mesh, step.lower(state, frozen, vocab, batch).compile()
 
 
 def compile_verification(tcfg, devices, mesh_cfg, *, batch: int, new_tokens: int,
@@ -130,10 +132,11 @@ def compile_verification(tcfg, devices, mesh_cfg, *, batch: int, new_tokens: int
     from eagle3_jax.model.params import serving_specs
     from eagle3_jax.model.target import KVCache, forward
     from eagle3_jax.sharding import make_mesh
+    from eagle3_jax.sharding.activations import BATCH_AXES
     from eagle3_jax.sharding.mesh import KV_CACHE_K_AXES, KV_CACHE_V_AXES, named_sharding
 
     mesh = make_mesh(mesh_cfg, devices)
-    rows = NamedSharding(mesh, P(("data", "fsdp")))  # sequences over the replicas
+    rows = NamedSharding(mesh, P(BATCH_AXES))  # sequences over the replicas
     dtype = jnp.dtype(tcfg.dtype)
     params = _abstract_params(serving_specs(tcfg), mesh, "serving", tcfg.dtype)
     b, k, h = batch, tcfg.num_kv_heads, tcfg.head_dim

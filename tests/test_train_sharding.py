@@ -80,8 +80,9 @@ def run_both(setup, optimizer, steps):
     sharded_step = jax.jit(step, in_shardings=(state_sh, target_sh, replicated, batch_sh),
                            out_shardings=(state_sh, replicated))
     put = jax.device_put
-    sharded = run(sharded_step, put(state, state_sh), put(target.params, target_sh),
-                  put(vocab, replicated), put(batch, batch_sh))
+    with jax.set_mesh(mesh):  # as the loop runs it: activations keep the batch split
+        sharded = run(sharded_step, put(state, state_sh), put(target.params, target_sh),
+                      put(vocab, replicated), put(batch, batch_sh))
     return jax.device_get(state), single, sharded
 
 
@@ -153,3 +154,50 @@ def test_sharded_adamw_step_within_derived_bound(setup, sgd_runs):
         # The step moved the params by about lr: the bound is not vacuous where |g| >> eps.
         moved = np.abs(single[name] - initial.params[name])
         assert np.median(moved) > 0.5 * ADAM_LR, name
+
+
+# A global batch of 24 sequences (3 a device on fsdp = 8): no dimension of the tiny target or
+# draft is 24, 24 x 32 = 768 (batch x tokens, flattened) or 24 x 37 (the TTT's padded tokens).
+FSDP_BATCH, FSDP_LEN = 24, 32
+
+
+def test_fsdp_step_keeps_each_devices_own_sequences():
+    """Under FSDP every device runs its own sequences: no array of the compiled step holds the
+    global batch. Without activation constraints XLA split the activations along the features
+    the weights are split on and gathered the batch, so every device ran the target, the labels
+    and the draft on all 24 sequences (the TPU plans' temporaries showed [64, 2048, ...] on every
+    chip)."""
+    import re
+
+    target = tiny_target()
+    tcfg = target.cfg
+    dcfg = DraftConfig.for_target(tcfg, draft_vocab_size=48, ttt_steps=3)
+    optimizer = optax.adamw(1e-3)
+    mesh = make_mesh(MeshConfig(data=1, fsdp=8, tensor=1))
+    shapes, state_sh = abstract_train_state(dcfg, optimizer, mesh)
+    target_sh = param_shardings(param_specs(tcfg), mesh, "training")
+    replicated = NamedSharding(mesh, P())
+    abstract = lambda tree, sh: jax.tree.map(  # noqa: E731
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
+    vocab = VocabMap.from_used_ids(np.arange(48), tcfg.vocab_size)
+    batch = {k: jax.ShapeDtypeStruct((1, FSDP_BATCH, FSDP_LEN),
+                                     bool if k == "loss_mask" else np.int32,
+                                     sharding=NamedSharding(mesh, P(None, BATCH_AXES)))
+             for k in ("tokens", "loss_mask", "segment_ids", "positions")}
+    step = jax.jit(functools.partial(train_step, make_inputs=TargetInputs(tcfg, dcfg),
+                                     draft_cfg=dcfg, optimizer=optimizer),
+                   out_shardings=(state_sh, replicated))
+    with jax.set_mesh(mesh):
+        hlo = step.lower(abstract(shapes, state_sh), abstract(target.params, target_sh),
+                         abstract(vocab, jax.tree.map(lambda _: replicated, vocab)),
+                         batch).compile().as_text()
+    # Floating-point arrays only: the token ids are all-gathered, which is cheap and right.
+    dims = [[int(d) for d in m.split(",")]
+            for m in re.findall(r"(?:f32|bf16)\[(\d+(?:,\d+)*)\]", hlo)]
+    local, feature_shard = FSDP_BATCH // 8, tcfg.hidden_size // 8
+    assert any(d[:2] == [local, FSDP_LEN] for d in dims)  # the per-device [B/8, T, ...] arrays
+    global_sizes = {FSDP_BATCH, FSDP_BATCH * FSDP_LEN, FSDP_BATCH * (FSDP_LEN + 5)}
+    # The draft's embedding lookup reads the table where it lies (split over its features):
+    # every sequence's token, D/8 of its features, as many bytes as this device's own rows.
+    offending = sorted({str(d) for d in dims if global_sizes & set(d) and d[-1] != feature_shard})
+    assert not offending, f"arrays with the global batch on a device: {offending[:8]}"

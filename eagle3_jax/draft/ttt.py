@@ -39,6 +39,7 @@ from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.draft.model import (draft_logits, finish_layer, fuse_taps, head_input,
                                     next_feature, project_qkv)
 from eagle3_jax.model.params import Params
+from eagle3_jax.sharding.activations import shard_batch
 
 STEP_WEIGHT_DECAY = 0.8
 # loss_mask alignment -> offset of the mask read at step i, index t: m_{t + offset + i}.
@@ -98,6 +99,8 @@ def ttt_forward(
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     mask_offset = LOSS_MASK_OFFSETS[loss_mask]
     k_steps = cfg.ttt_steps
+    # Each chip runs its own sequences (under a mesh; ``eagle3_jax.sharding.activations``).
+    batch = jax.tree.map(shard_batch, batch)
     b, t = batch.tokens.shape
     # Pad the sequence axis by K + 1 so index t + 2 + i is always in range; padding is segment 0.
     padded = lambda x, fill: jnp.pad(x, [(0, 0), (0, k_steps + 2)] + [(0, 0)] * (x.ndim - 2),
@@ -117,15 +120,15 @@ def ttt_forward(
     causal = (idx[None, :, None] >= idx[None, None, :]) & (seg[:, :, None] == seg[:, None, :])
     causal = causal & (seg[:, :, None] > 0)  # [B, T(query), T(key)]
 
-    g0 = fuse_taps(params, cfg, batch.taps)
+    g0 = shard_batch(fuse_taps(params, cfg, batch.taps))
     kv_shape = (k_steps, b, t, cfg.num_kv_heads, cfg.head_dim)
-    zeros_kv = jnp.zeros(kv_shape, g0.dtype)
+    zeros_kv = shard_batch(jnp.zeros(kv_shape, g0.dtype), axis=1)
     scale = 1.0 / math.sqrt(cfg.head_dim)
 
     def step(carry, i):
         g, k0, v0, diag_k, diag_v = carry
         tok = shifted(tokens_p, i + 1)
-        embeds = jnp.take(embed_table, tok, axis=0)
+        embeds = shard_batch(jnp.take(embed_table, tok, axis=0))
         q, k, v = project_qkv(params, cfg, embeds, g, batch.positions + i)
         k0 = jnp.where(i == 0, k, k0)
         v0 = jnp.where(i == 0, v, v0)
@@ -137,7 +140,7 @@ def ttt_forward(
         diag_ok = (steps >= 1) & (steps <= i)  # [K]
         attn = ttt_attention(qg, k0, v0, diag_k, diag_v, causal, diag_ok, scale)
         attn = attn.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        h = finish_layer(params, cfg, g, attn)
+        h = shard_batch(finish_layer(params, cfg, g, attn))
 
         # Labels: the target at x_{t+1+i} (predicting x_{t+2+i}), weighed by the loss mask.
         label_logp = shifted(logp_p, i + 1)
@@ -172,7 +175,7 @@ def ttt_forward(
             hits_i = (jnp.sum(within * weight[..., None], axis=(0, 1))
                       / jnp.maximum(n_scored, 1.0))
         out = (loss_i, acc_i, n_scored, hits_i, logits if return_logits else None)
-        return (next_feature(params, cfg, h), k0, v0, diag_k, diag_v), out
+        return (shard_batch(next_feature(params, cfg, h)), k0, v0, diag_k, diag_v), out
 
     init = (g0, zeros_kv[0], zeros_kv[0], zeros_kv, zeros_kv)
     _, (losses, accs, counts, hits, logits) = jax.lax.scan(step, init, jnp.arange(k_steps))
@@ -309,8 +312,8 @@ def head_cross_entropy(x: jax.Array, w: jax.Array, target_logp: jax.Array,
 
 def _head_cross_entropy_fwd_parts(x, w, target_logp, weight, label, grads: bool):
     lead, d = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, d)
-    logits = jnp.dot(x2, w, preferred_element_type=jnp.float32)  # [N, Vd]
+    x2 = shard_batch(x.reshape(-1, d))
+    logits = shard_batch(jnp.dot(x2, w, preferred_element_type=jnp.float32))  # [N, Vd]
     logq = jax.nn.log_softmax(logits, axis=-1)
     p = jnp.exp(target_logp.reshape(logits.shape).astype(jnp.float32))
     wt = weight.reshape(-1).astype(jnp.float32)

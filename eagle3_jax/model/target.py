@@ -35,6 +35,7 @@ from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.layers import (attention_with_cache, empty_kv, resize_kv, rms_norm,
                                      rope_cos_sin, rope_inv_freq, write_kv)
 from eagle3_jax.model.params import Params, is_serving, to_serving_layer
+from eagle3_jax.sharding.activations import shard_batch
 
 
 @struct.dataclass
@@ -242,7 +243,8 @@ def forward_stacked(
                         "use forward() for the serving layout")
     rope = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     b, t = tokens.shape
-    h = _embed(params, cfg, tokens)
+    # Each chip runs its own sequences (under a mesh; ``eagle3_jax.sharding.activations``).
+    h = shard_batch(_embed(params, cfg, tokens))
     tap_layers = tuple(tap_layers)
 
     def layer(carry, xs):
@@ -251,9 +253,9 @@ def forward_stacked(
         for j, tap in enumerate(tap_layers):
             taps = taps.at[j].set(jnp.where(index == tap, h, taps[j]))
         h, _, _ = _layer(to_serving_layer(p, cfg), cfg, h, rope, mask, None)
-        return (h, taps), None
+        return (shard_batch(h), taps), None
 
-    taps0 = jnp.zeros((len(tap_layers), b, t, cfg.hidden_size), h.dtype)
+    taps0 = shard_batch(jnp.zeros((len(tap_layers), b, t, cfg.hidden_size), h.dtype), axis=1)
     (h, taps), _ = jax.lax.scan(layer, (h, taps0), (params["layers"], jnp.arange(cfg.num_layers)))
     return _finish(params, cfg, h, [taps[j] for j in range(len(tap_layers))], logit_positions,
                    compute_logits)

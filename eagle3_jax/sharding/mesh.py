@@ -19,6 +19,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.model.params import ParamSpec, is_spec
+from eagle3_jax.sharding.activations import BATCH_AXES
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ MESH_AXES = ("data", "fsdp", "tensor")
 # Logical axis -> mesh axes. Training shards parameters over fsdp (ZeRO-3 style) and tensor;
 # serving keeps full rows per device (no fsdp gather per token) and shards over tensor only.
 TRAINING_RULES: Mapping[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
+    "batch": BATCH_AXES,
     "vocab": ("tensor",),
     "embed": ("fsdp",),
     "q_heads": ("tensor",),
@@ -35,7 +36,7 @@ TRAINING_RULES: Mapping[str, tuple[str, ...]] = {
     "mlp": ("tensor",),
 }
 SERVING_RULES: Mapping[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
+    "batch": BATCH_AXES,
     "vocab": ("tensor",),
     "q_heads": ("tensor",),
     "kv_heads": ("tensor",),

@@ -33,6 +33,7 @@ from eagle3_jax.draft.ttt import TTTBatch
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import Params
 from eagle3_jax.model.target import forward_stacked, packed_causal_mask
+from eagle3_jax.sharding.activations import shard_batch
 
 __all__ = ["FeatureError", "FeatureInputs", "MakeInputs", "TargetInputs", "chunked_argmax",
            "features_ttt_batch", "labels_from_hidden", "offline_frozen", "target_head_rows",
@@ -81,7 +82,8 @@ def chunked_argmax(hidden: jax.Array, head_rows: jax.Array, max_chunk: int = MAX
     def body(carry, xs):
         best, best_id = carry
         rows, offset = xs
-        logits = jnp.einsum("BTD,CD->BTC", hidden, rows, preferred_element_type=jnp.float32)
+        logits = shard_batch(jnp.einsum("BTD,CD->BTC", hidden, rows,
+                                        preferred_element_type=jnp.float32))
         local = jnp.argmax(logits, axis=-1)
         value = jnp.max(logits, axis=-1)
         better = value > best
@@ -102,8 +104,9 @@ def labels_from_hidden(hidden: jax.Array, head_rows: jax.Array,
     vocabulary; target_in_draft [B, T] bool: t2d of the full-vocabulary argmax).
     """
     draft_rows = jnp.take(head_rows, vocab.draft_to_target, axis=0)  # [Vd, D]
-    restricted = jnp.einsum("BTD,VD->BTV", hidden, draft_rows,
-                            preferred_element_type=jnp.float32)
+    hidden = shard_batch(hidden)
+    restricted = shard_batch(jnp.einsum("BTD,VD->BTV", hidden, draft_rows,
+                                        preferred_element_type=jnp.float32))
     in_draft = vocab.t2d[chunked_argmax(hidden, head_rows)]
     return jax.nn.log_softmax(restricted, axis=-1), in_draft
 

@@ -63,6 +63,7 @@ from eagle3_jax.draft.ttt import STEP_WEIGHT_DECAY
 from eagle3_jax.model.config import ConfigError, TargetConfig
 from eagle3_jax.model.params import Params, init_params, param_specs
 from eagle3_jax.sharding import make_mesh, param_shardings
+from eagle3_jax.sharding.activations import BATCH_AXES
 from eagle3_jax.train.checkpointing import TrainCheckpointError, TrainCheckpointer, abstract_state
 from eagle3_jax.train.config import TrainConfig, check_paths
 from eagle3_jax.train.inputs import FeatureInputs, TargetInputs, offline_frozen
@@ -76,7 +77,6 @@ MASTER_DTYPE = "float32"
 log = logging.getLogger(__name__)
 
 PLOT_FILE = "accuracy.png"
-BATCH_AXES = ("data", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,6 +398,16 @@ def _restore_or_create(cfg: TrainConfig, ckpt: TrainCheckpointer, draft_cfg: Dra
     return state, True
 
 
+def _on_mesh(mesh: Mesh, step: Callable) -> Callable:
+    """``step`` called (so traced) under ``jax.set_mesh(mesh)``: inside it the activations keep
+    the batch split over the mesh (``eagle3_jax.sharding.activations``)."""
+    @functools.wraps(step)
+    def call(*args):
+        with jax.set_mesh(mesh):
+            return step(*args)
+    return call
+
+
 def _setup(cfg: TrainConfig, target_override: TargetOverride | None = None,
           train_records: Sequence | None = None,
           eval_records: Sequence | None = None) -> tuple[TrainSetup, TrainState]:
@@ -453,18 +463,18 @@ def _setup(cfg: TrainConfig, target_override: TargetOverride | None = None,
                                         data_iter, init)
     (out_dir / "train_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
-    step_fn = jax.jit(
+    step_fn = _on_mesh(mesh, jax.jit(
         functools.partial(train_step, make_inputs=make_inputs, draft_cfg=draft_cfg,
                           optimizer=optimizer, compute_dtype=cfg.draft_compute_dtype,
                           loss_mask=cfg.loss_mask, objective=cfg.objective),
         in_shardings=(state_sh, frozen_sh, replicated, batch_sh),
-        out_shardings=(state_sh, replicated), donate_argnums=(0,))
-    eval_fn = jax.jit(
+        out_shardings=(state_sh, replicated), donate_argnums=(0,)))
+    eval_fn = _on_mesh(mesh, jax.jit(
         functools.partial(eval_step, make_inputs=make_inputs, draft_cfg=draft_cfg,
                           compute_dtype=cfg.draft_compute_dtype, loss_mask=cfg.loss_mask,
                           objective=cfg.objective),
         in_shardings=(state_sh.params, frozen_sh, replicated, eval_batch_sh),
-        out_shardings=replicated)
+        out_shardings=replicated))
     run = TrainSetup(cfg=cfg, out_dir=out_dir, draft_cfg=draft_cfg, frozen=frozen, vocab=vocab,
                      eval_records=eval_records, data_iter=data_iter, ckpt=ckpt,
                      metadata=metadata, resumed=resumed, step_fn=step_fn, eval_fn=eval_fn,
