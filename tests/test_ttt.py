@@ -163,6 +163,31 @@ def test_swiglu_gradient_equals_autodiff_of_its_definition():
         np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("scale_shape", [(D,), (3, D)])
+def test_rms_norm_gradient_equals_autodiff_of_its_definition(scale_shape):
+    """``layers.rms_norm`` writes its own gradient (x kept, the norm recomputed): value and both
+    cotangents against autodiff of x / sqrt(mean(x^2) + eps) * scale, for one scale and for
+    per-tap scales (EAGLE-3.1's fc_norm); rows of very different sizes."""
+    from eagle3_jax.model.layers import rms_norm
+
+    eps = 1e-5
+    keys = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(keys[0], (2, 5, 3, D)) * jnp.array([0.01, 1.0, 30.0])[:, None]
+    scale = 1.0 + 0.3 * jax.random.normal(keys[1], scale_shape)
+    d_out = jax.random.normal(keys[2], x.shape)
+
+    def definition(x, scale):
+        return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+    got, vjp_got = jax.vjp(lambda x, s: rms_norm(x, s, eps), x, scale)
+    want, vjp_want = jax.vjp(definition, x, scale)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for name, a, r in zip(["x", "scale"], vjp_got(d_out), vjp_want(d_out)):
+        assert a.shape == r.shape, name
+        np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(r))),
+                                   err_msg=name)
+
+
 @pytest.mark.parametrize("seen", [0, 2])
 def test_ttt_attention_value_and_gradient_equal_autodiff_of_the_softmax(seen):
     """``ttt_attention`` recomputes its probabilities in the backward pass: its value and every

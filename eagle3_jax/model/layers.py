@@ -7,6 +7,7 @@ G query heads per kv head (N = K*G), H head_dim, F mlp width.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -17,11 +18,41 @@ from eagle3_jax.kernels import cached_attention, rows_matmul, uses_attention_ker
 from eagle3_jax.model.config import RopeScaling
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis, computed in float32, returned in ``x.dtype``."""
+    """RMSNorm over the last axis, computed in float32, returned in ``x.dtype``; ``scale``'s
+    shape is x's trailing shape ([D], or [taps, D] for per-tap norms).
+
+    Its gradient keeps only x (in its own dtype) and recomputes the float32 norm: autodiff kept
+    float32 copies of every normed array of every TTT step (bfloat16 training on a TPU: eight
+    [K_steps, B, T, D] float32 stacks, 14 GB a chip for the 8B config on a v5p-16).
+    """
+    return (_rms_norm_parts(x, eps)[0] * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _rms_norm_parts(x, eps):
+    """(x / rms(x), 1 / rms(x)) in float32: [..., D] and [..., 1]."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+    inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return x32 * inv_rms, inv_rms
+
+
+def _rms_norm_fwd(x, scale, eps):
+    return rms_norm(x, scale, eps), (x, scale)
+
+
+def _rms_norm_bwd(eps, residuals, d_out):
+    x, scale = residuals
+    normed, inv_rms = _rms_norm_parts(x, eps)
+    d_out = d_out.astype(jnp.float32)
+    d_normed = d_out * scale.astype(jnp.float32)
+    # d/dx of x * inv_rms(x): inv_rms * (d_normed - normed * mean(d_normed * normed)).
+    d_x = inv_rms * (d_normed - normed * jnp.mean(d_normed * normed, axis=-1, keepdims=True))
+    d_scale = jnp.sum(d_out * normed, axis=tuple(range(x.ndim - scale.ndim)))
+    return d_x.astype(x.dtype), d_scale.astype(scale.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
