@@ -164,13 +164,17 @@ def ttt_forward(
             logq = jax.nn.log_softmax(logits, axis=-1)
             per_pos = position_loss(label_logp, logq, objective)  # [B, T]
             loss_i = jnp.sum(per_pos * weight) / jnp.maximum(n_scored, 1.0)
-            hit = label_is_top1(logits, label)
+            if hit_ranks:
+                # Rank of the label among the draft's logits (0 = its top-1: the same hit as
+                # label_is_top1's), then top-r hit rates.
+                label_logit = jnp.take_along_axis(logits, label[..., None], axis=-1)
+                rank = jnp.sum(logits > label_logit, axis=-1)  # [B, T]
+                hit = rank == 0
+            else:
+                hit = label_is_top1(logits, label)
         acc_i = jnp.sum(hit * weight) / jnp.maximum(n_scored, 1.0)
         hits_i = None
         if hit_ranks:
-            # Rank of the label among the draft's logits (0 = its top-1), then top-r hit rates.
-            label_logit = jnp.take_along_axis(logits, label[..., None], axis=-1)
-            rank = jnp.sum(logits > label_logit, axis=-1)  # [B, T]
             within = rank[..., None] < jnp.arange(1, hit_ranks + 1)  # [B, T, R]
             hits_i = (jnp.sum(within * weight[..., None], axis=(0, 1))
                       / jnp.maximum(n_scored, 1.0))
