@@ -151,6 +151,7 @@ def ttt_forward(
                   & (seg > 0)).astype(jnp.float32)
         n_scored = jnp.sum(weight)
         label = shifted(labels_p, i + 1)
+        hits_i = None
         if objective == "kl" and not (return_logits or hit_ranks):
             # Training: the loss, its gradient through the output head and the draft's top-1
             # hit in one function (``head_cross_entropy``): nothing [B, T, Vd] is kept for
@@ -170,14 +171,12 @@ def ttt_forward(
                 label_logit = jnp.take_along_axis(logits, label[..., None], axis=-1)
                 rank = jnp.sum(logits > label_logit, axis=-1)  # [B, T]
                 hit = rank == 0
+                within = rank[..., None] < jnp.arange(1, hit_ranks + 1)  # [B, T, R]
+                hits_i = (jnp.sum(within * weight[..., None], axis=(0, 1))
+                          / jnp.maximum(n_scored, 1.0))
             else:
                 hit = label_is_top1(logits, label)
         acc_i = jnp.sum(hit * weight) / jnp.maximum(n_scored, 1.0)
-        hits_i = None
-        if hit_ranks:
-            within = rank[..., None] < jnp.arange(1, hit_ranks + 1)  # [B, T, R]
-            hits_i = (jnp.sum(within * weight[..., None], axis=(0, 1))
-                      / jnp.maximum(n_scored, 1.0))
         out = (loss_i, acc_i, n_scored, hits_i, logits if return_logits else None)
         return (shard_batch(next_feature(params, cfg, h)), k0, v0, diag_k, diag_v), out
 
