@@ -24,7 +24,7 @@ from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache, fuse_ta
 from eagle3_jax.draft.params import DraftHead, VocabMap, init_draft_params
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import init_params, to_serving
-from eagle3_jax.model.target import KVCache, causal_mask, forward
+from eagle3_jax.model.target import KVCache, causal_mask, forward, prefill
 from cpu_features import has_avx512
 
 TREES = {
@@ -572,6 +572,147 @@ def test_fallback_streams_the_same_tokens(models):
         streamed = np.concatenate([step[row] for step in steps])
         np.testing.assert_array_equal(streamed, np.asarray(out.tokens[row, :len(streamed)]))
         assert len(streamed) == int(out.num_generated[row])
+
+
+def test_fallback_resumes_where_the_drafts_top1_would_pay():
+    """:meth:`Fallback.resumes` from the plain steps' depth-1 hits: the hit rate less one
+    standard error, as a chain of depth + 1 tokens a round, against break-even; no hits seen
+    never resumes."""
+    fallback = eagle_mod.Fallback(break_even=1.7, probe_rounds=8)
+    depth = 3
+
+    def resumes(hits, seen):
+        return bool(fallback.resumes(jnp.asarray(hits), jnp.asarray(seen), depth))
+
+    def chain(h, n):  # written out: the rate less its standard error, then 1 + h + h^2 + h^3
+        low = h - np.sqrt(h * (1 - h) / n)
+        return 1 + low + low ** 2 + low ** 3
+
+    assert chain(20 / 31, 31) >= 1.7 and resumes([20], [31])
+    assert chain(14 / 31, 31) < 1.7 and not resumes([14], [31])
+    # Rows pool: 2 x 31 positions at 0.5 is surer than 31 (and passes where 31 does not).
+    assert chain(0.5, 62) >= 1.7 > chain(16 / 31, 31)
+    assert resumes([15, 16], [31, 31]) and not resumes([16], [31])
+    assert not resumes([0, 0], [0, 0])
+    with pytest.raises(ValueError, match="resume_window"):
+        eagle_mod.Fallback(break_even=1.7, resume_window=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Flapping(eagle_mod.Fallback):
+    """Gives up at every probe (break-even 50) and resumes at every catch-up."""
+
+    def resumes(self, hits, seen, depth):
+        return jnp.bool_(True)
+
+
+def test_fallback_that_resumes_stays_lossless_and_its_draft_caught_up(models):
+    """Rounds, plain steps, the draft's catch-up, rounds again, many times over: the output is
+    plain greedy decoding's; each probe gives up after its own ``probe_rounds`` rounds; and the
+    draft's cache at the end holds, entry for entry, what a fresh prefill of the whole sequence
+    gives it (the catch-ups read the right taps at the right slots)."""
+    cfg, params, head = models
+    tokens, lengths = _prompts([13, 5, 9], cfg.vocab_size)
+    plain = generate(params, cfg, tokens, lengths, max_new_tokens=60)
+    fallback = _Flapping(50.0, probe_rounds=2, resume_window=5)
+    spec, tokens, lengths = eagle_mod.eagle_decoding(
+        cfg, head.serving(), tokens, lengths, max_new_tokens=60, tree=TREES["wide"],
+        fallback=fallback)
+    run = driver.compile_run(spec, (params, head.serving()), tokens, lengths, keep=True)
+    out, caches = run((params, head.serving()), tokens, lengths, jax.random.PRNGKey(0))
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    rounds, resumes = np.asarray(out.rounds), np.asarray(out.resumes)
+    assert (resumes >= 4).all() and (np.asarray(out.plain_steps) > 0).all()
+    assert ((2 * resumes + 1 <= rounds) & (rounds <= 2 * resumes + 2)).all()
+    hist = np.asarray(out.accept_hist)
+    emitted = (hist * np.arange(hist.shape[1])).sum(1)
+    np.testing.assert_array_equal(emitted + np.asarray(out.plain_steps),
+                                  np.asarray(out.num_generated) - 1)
+    # A fresh prefill of prompt + answer (but its last token) pairs tap f_s with x_{s+1}.
+    draft_end = np.asarray(caches.draft_end)
+    for row in range(tokens.shape[0]):
+        seq = np.concatenate([np.asarray(tokens[row, :int(lengths[row])]),
+                              np.asarray(out.tokens[row, :int(out.num_generated[row]) - 1])])
+        fresh = spec.prefill((params, head.serving()), jnp.asarray(seq)[None],
+                             jnp.asarray([len(seq)], jnp.int32), jax.random.PRNGKey(0))
+        n = len(seq) - 1  # entries whose next token the sequence holds
+        assert n - 5 <= draft_end[row] <= n + 1
+        n = min(n, int(draft_end[row]))
+        np.testing.assert_allclose(caches.draft_k[row, :, :, :n], fresh.draft_k[0, :, :, :n],
+                                   rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(caches.draft_v[row, :, :n], fresh.draft_v[0, :, :n],
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_fallback_that_resumes_streams_the_same_tokens(models):
+    cfg, params, head = models
+    tokens, lengths = _prompts([7, 11], cfg.vocab_size, seed=5)
+    kw = dict(max_new_tokens=40, tree=TREES["deep"],
+              fallback=_Flapping(50.0, probe_rounds=2, resume_window=4))
+    out = generate_eagle(params, cfg, head, tokens, lengths, **kw)
+    assert (np.asarray(out.resumes) > 0).all()
+    steps = list(eagle_mod.generate_eagle_stream(params, cfg, head, tokens, lengths, **kw))
+    for row in range(2):
+        streamed = np.concatenate([step[row] for step in steps])
+        np.testing.assert_array_equal(streamed, np.asarray(out.tokens[row, :len(streamed)]))
+        assert len(streamed) == int(out.num_generated[row])
+
+
+def test_catch_up_counts_the_drafts_top1_hits_on_the_plain_steps_tokens(tiny_vocab_models):
+    """The hits each catch-up hands :meth:`Fallback.resumes` are, over the last
+    ``RESUME_SCORED`` of the plain steps' entries (tap f_s, token x_{s+1}) but the very last,
+    those where the draft's top-1 is x_{s+2}: what a draft run fresh over the whole sequence
+    predicts at those entries (its output at every entry). Small vocabularies, so a random draft
+    hits often and a misaligned count would show."""
+    cfg, params, head = tiny_vocab_models
+    head = head.serving()
+    tokens, lengths = _prompts([13, 6], cfg.vocab_size, seed=2)
+    window = eagle_mod.RESUME_SCORED + 4  # entries before the scored ones, which are not
+    spec, tokens, lengths = eagle_mod.eagle_decoding(
+        cfg, head, tokens, lengths, max_new_tokens=130, tree=TREES["wide"],
+        fallback=_Flapping(50.0, probe_rounds=2, resume_window=window))
+    handed = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Recording(eagle_mod.Fallback):
+        def resumes(self, hits, seen, depth):
+            handed.append((np.asarray(hits), np.asarray(seen)))
+            return jnp.bool_(True)
+
+    recording = Recording(50.0)
+    catch_up_due = spec.phases[2][1]
+    state = driver.start(spec, (params, head), tokens, lengths, jax.random.PRNGKey(0))
+    windows = []  # (cache end, stale) at each catch-up
+    while not bool(jnp.all(state.out.done)):
+        if bool(catch_up_due(state)):
+            windows.append((np.asarray(state.cache.end), np.asarray(state.stale)))
+            state = eagle_mod._catch_up(params, head, state, recording, spec.tree.depth)
+        else:
+            state = driver.advance(spec, (params, head), state)
+    # What the last plain steps left (fewer entries than the scored ones) is read the same way.
+    windows.append((np.asarray(state.cache.end), np.asarray(state.stale)))
+    eagle_mod._catch_up(params, head, state, recording, spec.tree.depth)
+    assert len(windows) >= 4 and 1 < windows[-1][1].min() <= eagle_mod.RESUME_SCORED
+    for row in range(2):
+        seq = np.concatenate([np.asarray(tokens[row, :int(lengths[row])]),
+                              np.asarray(state.out.tokens[row, :int(state.out.num_generated[row])])])
+        s = len(seq) - 1
+        taps = prefill(params, cfg, jnp.asarray(seq)[None], jnp.asarray([len(seq)], jnp.int32),
+                       spec.max_len, tap_layers=head.cfg.tap_layers).taps
+        positions = jnp.arange(s)[None]
+        _, logits, _, _ = draft_step_cached(
+            head.params, head.cfg, params["embed"][jnp.asarray(seq[1:])][None],
+            fuse_taps(head.params, head.cfg, taps[:, :s]), positions,
+            causal_mask(jnp.zeros((1,), jnp.int32), s, s), *empty_draft_cache(head.cfg, 1, s),
+            positions)
+        top1 = np.asarray(head.vocab.draft_to_target[jnp.argmax(logits[0], -1)])
+        for (end, stale), (hits, seen) in zip(windows, handed):
+            first, last = end[row] - stale[row], end[row]  # entries first .. last - 1
+            scored = range(max(first, last - 1 - eagle_mod.RESUME_SCORED), last - 1)
+            want = sum(int(top1[e] == seq[e + 2]) for e in scored)
+            assert (hits[row], seen[row]) == (want, len(scored)), (row, end, stale)
+    total = sum(int(h.sum()) for h, _ in handed)
+    assert 0 < total < sum(int(s.sum()) for _, s in handed)
 
 
 def _exact_joint3(params, cfg, prompt, sampling):

@@ -340,7 +340,7 @@ def test_auto_tree_gives_up_drafting_where_it_does_not_pay(tiny, capsys, steady_
     assert spec == plain
     assert "[fallback: at a 128-token context a round takes 1.5 ms and a plain step 1.0 ms" in err
     assert steady_costs == {"target": [1], "draft": [1], "round": [1]}
-    assert "plain decode steps (drafting did not pay" in err
+    assert "plain decode steps where drafting did not pay" in err
     assert "8 rounds, mean accept length" in err
     code, forced, err = run(target, capsys, *auto, "--force-eagle")
     assert code == 0 and forced == plain, err

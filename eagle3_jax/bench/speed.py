@@ -19,8 +19,10 @@ what the prefills skipped). Reported per task (reference §5, §7):
     None with ``--temperature`` > 0, where both sample);
   * with ``--fallback`` (what the decode CLI does with its default ``auto`` tree): EAGLE gives
     up drafting where the prompt's measured acceptance does not pay for a round here
-    (:class:`eagle3_jax.decoding.eagle.Fallback`); ``fell_back`` counts those turns. ``tau``
-    and ``accept_by_depth`` stay over the rounds that drafted.
+    (:class:`eagle3_jax.decoding.eagle.Fallback`) and decodes plainly until the draft's
+    hits say drafting would pay again; ``fell_back`` counts the turns that gave up at least
+    once, ``resumed`` those that then drafted again. ``tau`` and ``accept_by_depth`` stay over
+    the rounds that drafted.
 
 ``--draft`` defaults to the target's shipped head (``eagle3_jax.draft.shipped``).
 
@@ -122,7 +124,7 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
             record = {"turn": turn, "prompt_tokens": len(ids),
                       "new_tokens_vanilla": len(plain.token_ids),
                       "new_tokens": len(spec.token_ids), "rounds": spec.rounds,
-                      "plain_steps": spec.plain_steps,
+                      "plain_steps": spec.plain_steps, "resumes": spec.resumes,
                       "tau": mean_accept_length(spec.accept_hist) if spec.rounds else None,
                       "seconds_vanilla": t_plain, "seconds_eagle": t_spec}
             if reuse_prefix:
@@ -141,7 +143,9 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
             tau = "-" if record["tau"] is None else f"{record['tau']:.2f}"
             log(f"  {len(ids)} prompt tokens{f' ({spec.reused} reused)' if reuse_prefix else ''}"
                 f": vanilla {_speed(record, 'vanilla'):.1f} tok/s, eagle "
-                f"{_speed(record, 'eagle'):.1f} tok/s, {spec.rounds} rounds, tau {tau}")
+                f"{_speed(record, 'eagle'):.1f} tok/s, {spec.rounds} rounds, tau {tau}"
+                + (f", {spec.plain_steps} plain steps, resumed {spec.resumes}x"
+                   if spec.plain_steps else ""))
 
     total = max(sum(hist), 1)
     vanilla = statistics.median(_speed(r, "vanilla") for r in per_turn)
@@ -168,6 +172,7 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
         "new_tokens": sum(r["new_tokens"] for r in per_turn),
         "rounds": sum(r["rounds"] for r in per_turn), "accept_hist": hist,
         "fell_back": sum(r["plain_steps"] > 0 for r in per_turn),
+        "resumed": sum(r.get("resumes", 0) > 0 for r in per_turn),
         **({"prompt_tokens": sum(r["prompt_tokens"] for r in per_turn),
             "reused_prompt_tokens_eagle": sum(r["reused_prompt_tokens_eagle"] for r in per_turn)}
            if reuse_prefix else {}),
@@ -190,15 +195,16 @@ def report_table(tasks: dict[str, dict], mean: dict) -> str:
     rows = []
     for name, r in tasks.items():
         hf = (r["tokens_per_s_hf"], f"{r['speedup_vs_hf']:.2f}x") if with_hf else ()
-        fell = (f"{r['fell_back']}/{r['turns']}",) if with_fallback else ()
+        fell = ((f"{r['fell_back']}/{r['turns']}", f"{r.get('resumed', 0)}/{r['fell_back']}")
+                if with_fallback else ())
         rows.append((name, r["tau"], " / ".join(f"{a:.2f}" for a in r["accept_by_depth"]),
                      r["tokens_per_s_vanilla"], r["tokens_per_s_eagle"], f"{r['speedup']:.2f}x",
                      *hf, *fell, {True: "yes", False: "NO", None: "(sampled)"}[r["identical"]]))
     hf_mean = ("", f"{mean['speedup_vs_hf']:.2f}x") if with_hf else ()
     rows.append(("mean", mean["tau"], "", "", "", f"{mean['speedup']:.2f}x", *hf_mean,
-                 *(("",) if with_fallback else ()), ""))
+                 *(("", "") if with_fallback else ()), ""))
     hf_cols = ["HF float32 tok/s", "eagle vs HF"] if with_hf else []
-    fell_cols = ["gave up drafting (turns)"] if with_fallback else []
+    fell_cols = ["gave up drafting (turns)", "resumed (of those)"] if with_fallback else []
     return markdown_table(["task", "tau", "accepted >= d drafts (d = 1..)", "vanilla tok/s",
                            "eagle tok/s", "speed-up", *hf_cols, *fell_cols, "identical"], rows)
 
@@ -245,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fallback", action="store_true",
                    help="give up drafting where the measured acceptance does not pay (the "
                         "decode CLI's default with its auto tree)")
+    p.add_argument("--resume-window", type=int, default=None, metavar="N",
+                   help="with --fallback: plain steps between the draft's catch-ups, where "
+                        "drafting resumes if the draft's hits say it pays (default: the "
+                        "decode CLI's, eagle.RESUME_WINDOW; 0: a give-up is for good)")
     p.add_argument("--reuse-prefix", action="store_true",
                    help="start each turn from the turn before's KV caches, as a chat server "
                         "with a prefix cache does (both decoders; the prefill runs only the "
@@ -279,6 +289,11 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
         raise UsageError(f"--tasks must name some of {', '.join(TASKS)}, got {args.tasks!r}")
     if not 1 <= args.num_prompts <= 80 or args.max_new_tokens < 1 or args.repeats < 1:
         raise UsageError("--num-prompts must be in 1..80, --max-new-tokens and --repeats >= 1")
+    if args.resume_window is not None and not args.fallback:
+        raise UsageError("--resume-window applies with --fallback; add it or drop this flag")
+    if args.resume_window is not None and (args.resume_window < 0 or args.resume_window == 1):
+        raise UsageError(f"--resume-window must be 0 (never resume) or >= 2, got "
+                         f"{args.resume_window}")
     total_tokens = parse_total_tokens(args.total_tokens)
     rates = parse_accept_rates(args.accept_rates)
     tree = (None if total_tokens == "auto"
@@ -307,8 +322,11 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
     fallback = None
     if args.fallback:
         from eagle3_jax.decoding.autotune import fallback_for
+        from eagle3_jax.decoding.eagle import RESUME_WINDOW
 
-        fallback = fallback_for(target.params, target.cfg, head, tree, log=log)
+        window = RESUME_WINDOW if args.resume_window is None else args.resume_window
+        fallback = fallback_for(target.params, target.cfg, head, tree, resume_window=window,
+                                log=log)
     cache = CompileCache(log)
     decoders = {"vanilla": PlainDecoder(target, sampling, args.max_new_tokens, 0,
                                         compile_cache=cache),
@@ -330,6 +348,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
               "tree": {"tree_top_k": tree.tree_top_k, "depth": tree.depth,
                        "total_tokens": tree.total_tokens},
               "total_tokens_auto": total_tokens == "auto", "fallback": args.fallback,
+              "resume_window": window if args.fallback else None,
               "reuse_prefix": args.reuse_prefix,
               "num_prompts": args.num_prompts,
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "batch_size": 1,

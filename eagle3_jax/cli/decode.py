@@ -33,8 +33,9 @@ default SmolLM2 does: :mod:`eagle3_jax.draft.shipped`), whose tree is then ``aut
 :mod:`eagle3_jax.decoding.autotune`) shape the draft tree; ``--tree-top-k`` is not
 ``--top-k``, which stays the sampling cut-off. With ``auto``, when no tree is predicted to beat
 plain decoding here, it decodes plainly and says so; when one is, the decoder measures the
-acceptance on the prompt itself and gives up drafting for the rest of the answer where a round
-emits fewer tokens than it costs in decode steps (:class:`eagle3_jax.decoding.eagle.Fallback`).
+acceptance on the prompt itself and gives up drafting where a round emits fewer tokens than it
+costs in decode steps, and resumes where the draft's hits on the plain steps' tokens say it
+would pay again (:class:`eagle3_jax.decoding.eagle.Fallback`).
 ``--force-eagle`` drafts throughout.
 ``--compare`` decodes every prompt with both modes and reports both speeds, the speed-up and
 whether the texts are identical.

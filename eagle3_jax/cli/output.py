@@ -80,7 +80,7 @@ def run_compare(conversations, fmt: PromptFormat, decoders: dict, batch_size: in
     """Both modes on the same prompts (the history takes EAGLE's answer); per turn a line, then
     the totals: tokens/s of each (tokens / seconds over all batches), speed-up, identical."""
     totals = {name: {"tokens": 0, "seconds": 0.0} for name in ("vanilla", "eagle")}
-    rounds, turns, identical, hist, fell_back = 0, 0, 0, [], 0
+    rounds, turns, identical, hist, fell_back, resumed = 0, 0, 0, [], 0, 0
 
     def generate(prompts, before, keep):
         pairs = {}
@@ -93,11 +93,12 @@ def run_compare(conversations, fmt: PromptFormat, decoders: dict, batch_size: in
         return list(zip(pairs["vanilla"], pairs["eagle"]))
 
     def emit(i, turn, prompt, pair, rows):
-        nonlocal rounds, turns, identical, hist, fell_back
+        nonlocal rounds, turns, identical, hist, fell_back, resumed
         plain, spec = pair
         same = plain.token_ids == spec.token_ids
         rounds, turns, identical = rounds + spec.rounds, turns + 1, identical + same
         fell_back += spec.plain_steps > 0
+        resumed += spec.resumes > 0
         hist = [a + b for a, b in zip(hist or [0] * len(spec.accept_hist), spec.accept_hist)]
         eagle_record, plain_record = answers.record(spec), answers.record(plain)
         if as_json:
@@ -123,7 +124,8 @@ def run_compare(conversations, fmt: PromptFormat, decoders: dict, batch_size: in
                f"identical texts {identical}/{turns}")
     if fell_back:
         summary += (f"; gave up drafting on {fell_back}/{turns} turns (it did not pay there) "
-                    f"and decoded the rest plainly")
+                    f"and decoded plainly until the draft's hits said it would pay again "
+                    f"({resumed} of them resumed)")
     if as_json:
         log(summary)  # stdout stays one JSON object per turn
     else:
@@ -169,8 +171,11 @@ def stream_answer(decoder, prompt: list[int], answers: Answers, out: TextIO | No
         extra = (f"; {rounds} rounds, mean accept length "
                  f"{(round_tokens - plain) / max(rounds, 1):.2f}")
         if plain:
-            extra += (f"; then {plain} plain decode steps (drafting did not pay: it accepted "
-                      f"too little for the cost of a round here)")
+            resumed = decoder.stream_resumes
+            extra += (f"; and {plain} plain decode steps where drafting did not pay (it "
+                      f"accepted too little for the cost of a round here"
+                      + (f"; it resumed {resumed} time{'s' * (resumed > 1)})" if resumed
+                         else ")"))
     reused = (f", {decoder.stream_reused[0]} of {len(prompt)} prompt tokens from the turn before"
               if decoder.stream_reused[0] else "")
     log(f"[{tokens} tokens in {end - start:.2f} s; first token after "

@@ -53,7 +53,7 @@ import numpy as np
 
 from eagle3_jax.decoding.acceptance import Rate, candidates
 from eagle3_jax.decoding.costs import forward_curve, measure_draft_steps, measure_round
-from eagle3_jax.decoding.eagle import PROBE_ROUNDS, Fallback
+from eagle3_jax.decoding.eagle import PROBE_ROUNDS, RESUME_WINDOW, Fallback
 from eagle3_jax.decoding.tree import TreeConfig
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.kernels import library
@@ -400,7 +400,8 @@ def measure_round_costs(target_params, cfg, head, trees: Sequence[TreeConfig], c
 
 
 def fallback_for(target_params, cfg, head, tree: TreeConfig, *,
-                 probe_rounds: int = PROBE_ROUNDS, directory: str | Path | None = None,
+                 probe_rounds: int = PROBE_ROUNDS, resume_window: int = RESUME_WINDOW,
+                 directory: str | Path | None = None,
                  log: Callable[[str], None] = lambda s: None) -> Callable[[int, int], Fallback]:
     """``fallback(prompt_width, batch) -> Fallback``: the break-even acceptance of ``tree`` at
     that context and padded batch: a whole round's measured seconds over a plain step's
@@ -413,12 +414,14 @@ def fallback_for(target_params, cfg, head, tree: TreeConfig, *,
     def at(context: int, batch: int) -> Fallback:
         cost, = measure_round_costs(target_params, cfg, head, [tree], context, batch=batch,
                                     directory=directory, log=log)
-        fallback = Fallback(cost["round"] / cost["step"], probe_rounds)
+        fallback = Fallback(cost["round"] / cost["step"], probe_rounds, resume_window)
         rows = "" if batch == 1 else f" and {batch} rows"
         log(f"[fallback: at a {context}-token context{rows} a round takes "
             f"{cost['round'] * 1e3:.1f} ms and a plain step {cost['step'] * 1e3:.1f} ms, so a "
             f"round must emit {fallback.break_even:.2f} tokens to pay; checked from round "
-            f"{probe_rounds}]")
+            f"{probe_rounds}"
+            + (f"; after giving up, the draft's hits checked every {resume_window} plain steps]"
+               if resume_window else "]"))
         return fallback
 
     return lambda prompt_width, batch=1: at(autotune_context(prompt_width), int(batch))

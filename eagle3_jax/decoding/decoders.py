@@ -61,7 +61,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class Generation:
     """One row's result: generated ids (EOS excluded), whether EOS ended it, the wall time of
     the batched call; EAGLE adds its verification rounds, ``accept_hist`` (index j: rounds
-    that emitted j tokens) and ``plain_steps`` (decode steps after it gave up drafting)."""
+    that emitted j tokens), ``plain_steps`` (decode steps where it had given up drafting) and
+    ``resumes`` (times drafting resumed after that)."""
 
     token_ids: list[int]
     hit_eos: bool
@@ -69,6 +70,7 @@ class Generation:
     rounds: int | None = None
     accept_hist: list[int] | None = None
     plain_steps: int = 0
+    resumes: int = 0
     prefix: CachedPrefix | None = None  # with generate_batch(..., keep=True)
     reused: int = 0  # prompt tokens taken from a prefix instead of run
 
@@ -77,7 +79,8 @@ class Generation:
             return {}
         return {"rounds": self.rounds,
                 "mean_accept_length": round(mean_accept_length(self.accept_hist), 4),
-                "accept_hist": self.accept_hist, "plain_steps": self.plain_steps}
+                "accept_hist": self.accept_hist, "plain_steps": self.plain_steps,
+                "resumes": self.resumes}
 
 
 class CompileCache:
@@ -276,14 +279,18 @@ class EagleDecoder(PlainDecoder):
         return spec, (self.target.params, self.head)
 
     def _on_stream_step(self, state) -> None:
-        """The streamed prompt's rounds and plain steps so far (``stream_rounds``,
-        ``stream_plain_steps``): after a fallback the steps are no longer rounds."""
+        """The streamed prompt's rounds, plain steps and resumes so far (``stream_rounds``,
+        ``stream_plain_steps``, ``stream_resumes``): after a fallback gives up, the steps are
+        plain ones (and the draft's catch-ups, which emit nothing) until drafting resumes."""
         super()._on_stream_step(state)
-        rounds, plain_steps = jax.device_get((state.rounds[0], state.plain_steps[0]))
+        rounds, plain_steps, resumes = jax.device_get(
+            (state.rounds[0], state.plain_steps[0], state.resumes[0]))
         self.stream_rounds, self.stream_plain_steps = int(rounds), int(plain_steps)
+        self.stream_resumes = int(resumes)
 
     def _generation(self, out, i: int, seconds: float) -> Generation:
         gen = super()._generation(out, i, seconds)
         return dataclasses.replace(gen, rounds=int(out.rounds[i]),
                                    accept_hist=out.accept_hist[i].tolist(),
-                                   plain_steps=int(out.plain_steps[i]))
+                                   plain_steps=int(out.plain_steps[i]),
+                                   resumes=int(out.resumes[i]))

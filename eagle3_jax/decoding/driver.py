@@ -9,7 +9,10 @@ A *decoding* is a frozen, hashable spec (a static jit argument) with three pure 
 where ``state.out`` is an :class:`Emitted` (the generated tokens so far and the stop flags).
 Instead of ``step`` a decoding may have ``phases``: ``(step, keeps)`` pairs run in order, each
 while a row is live and ``keeps(state)`` ([] bool; None: always) holds (EAGLE's rounds until a
-fallback gives up drafting, then plain steps). Each phase is its own loop: a ``lax.cond``
+fallback gives up drafting, then plain steps). A decoding whose ``cycles`` is true runs its
+phases again, in order, until every row is done (EAGLE's plain steps, the draft's catch-up,
+and rounds again where drafting resumes); its phases' ``keeps`` must then be exclusive and cover
+every state, so each pass moves on. Each phase is its own loop: a ``lax.cond``
 choosing the step inside one loop would copy every KV-cache buffer into and out of the chosen
 branch on every step (120 copies, about 3 ms a step for SmolLM2 on a 2-core CPU).
 The driver runs it
@@ -155,10 +158,17 @@ def _loop(decoding, params, prompt_tokens, prompt_lengths, key, prefix=None, kee
         state = decoding.prefill(params, prompt_tokens, prompt_lengths, key)
     else:
         state = decoding.prefill(params, prompt_tokens, prompt_lengths, key, prefix=prefix)
-    for step, keeps in phases(decoding):
-        def live(s, keeps=keeps):
-            return ~jnp.all(s.out.done) & (True if keeps is None else keeps(s))
-        state = jax.lax.while_loop(live, functools.partial(step, params), state)
+    def run_phases(state):
+        for step, keeps in phases(decoding):
+            def live(s, keeps=keeps):
+                return ~jnp.all(s.out.done) & (True if keeps is None else keeps(s))
+            state = jax.lax.while_loop(live, functools.partial(step, params), state)
+        return state
+
+    if getattr(decoding, "cycles", False):
+        state = jax.lax.while_loop(lambda s: ~jnp.all(s.out.done), run_phases, state)
+    else:
+        state = run_phases(state)
     if keep:
         return decoding.output(state), decoding.reusable(state)
     return decoding.output(state)

@@ -17,15 +17,21 @@ target holds x_0..x_{n-1}; the draft holds pairs (f_s, x_{s+1}) for s < n, where
 root (already emitted, not yet fed to the target). Emitted per round: the a accepted draft
 tokens and the bonus token, a + 1 tokens (the acceptance length).
 
-With a :class:`Fallback` the loop measures what it is paying for: at round ``probe_rounds`` and
-every power of two after it, when the tokens emitted per round so far (over all live rows) fall
+With a :class:`Fallback` the loop measures what it is paying for: at round ``probe_rounds`` of a
+probe (drafting's start, or a resume) and every power of two after it, when the tokens emitted
+per round in the probe (over all live rows) fall
 below ``break_even`` (one round's measured cost in decode steps) by more than their standard
 error (``FALLBACK_STANDARD_ERRORS``: an answer's first tokens are its hardest to draft, so a
-few probe rounds just under break-even are not evidence enough), it stops drafting and every
-later step is a plain decode step (the target's forward of the root, the same function plain
-decoding runs, in a loop of its own: ``EagleDecoding.phases``), for the whole batch, until the
-end. The draft's state is then left stale; the output stays exactly the target's (greedy:
-identical to plain decoding; sampled: the target's distribution).
+few probe rounds just under break-even are not evidence enough), it stops drafting and the
+steps are plain decode steps (the target's forward of the root, the same function plain
+decoding runs, in a loop of its own: ``EagleDecoding.phases``), for the whole batch. Each keeps
+its draft entry (the root's taps, the token it emitted); every ``resume_window`` of them the
+draft reads them in one forward (``_catch_up``), scoring its top-1 against the tokens the
+target emitted, and where that hit rate says drafting pays again (:meth:`Fallback.resumes`)
+the rounds resume with a new probe. Answers get easier to draft as they go (an answer's first
+128 tokens drafted at 0.64 top-1, the next 128 at 0.89, stop 22), so a give-up is not for
+good. The output stays exactly the target's throughout (greedy: identical to plain decoding;
+sampled: the target's distribution).
 """
 
 from __future__ import annotations
@@ -60,6 +66,12 @@ PROBE_ROUNDS = 8  # the fallback's first check (tokens per round are noisy befor
 # errors, are below break-even. With 0 the demo's prompt gave up after 8 rounds at 1.25 tokens a
 # round against a break-even of 1.29 (stop 22): within one standard error (0.15) of it.
 FALLBACK_STANDARD_ERRORS = 1.0
+# After giving up, the draft reads the plain steps' taps every this many steps (one catch-up
+# forward, its output at every entry) and drafting resumes where its top-1 would have paid.
+RESUME_WINDOW = 32
+# Of those, the last this many are scored (the draft's output head at each: ~0.2 ms an entry on
+# a 2-core CPU, so scoring all 32 would cost about 1% of the plain steps it follows).
+RESUME_SCORED = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,19 +81,27 @@ class Fallback:
     break_even: tokens a round must emit to beat plain decoding, i.e. a round's cost over a
       decode step's (measured: :func:`eagle3_jax.decoding.autotune.fallback_for`).
     probe_rounds: the first check; later checks at every power of two after it.
+    resume_window: after giving up, the draft catches up on the plain steps' taps every this
+      many steps and drafting resumes (a new probe) where :meth:`resumes` says so; 0: the
+      give-up is for good.
     """
 
     break_even: float
     probe_rounds: int = PROBE_ROUNDS
+    resume_window: int = RESUME_WINDOW
 
     def __post_init__(self):
         if self.probe_rounds < 1:
             raise ValueError(f"probe_rounds must be >= 1, got {self.probe_rounds}")
+        if self.resume_window < 0 or self.resume_window == 1:
+            raise ValueError(f"resume_window must be 0 (never resume) or >= 2, got "
+                             f"{self.resume_window}")
 
     def gives_up(self, step, rounds, accept_hist):
-        """[] bool: check now (step a power of two >= probe_rounds) and the measured tokens per
-        round (``accept_hist`` [B, W + 1] over ``rounds`` [B]), plus
-        ``FALLBACK_STANDARD_ERRORS`` of their standard errors, are below break-even."""
+        """[] bool: check now (``step``, the rounds since this probe began, a power of two >=
+        probe_rounds) and the measured tokens per round (``accept_hist`` [B, W + 1] over
+        ``rounds`` [B], this probe's), plus ``FALLBACK_STANDARD_ERRORS`` of their standard
+        errors, are below break-even."""
         checkpoint = (step >= self.probe_rounds) & ((step & (step - 1)) == 0)
         j = jnp.arange(accept_hist.shape[1], dtype=jnp.float32)[None, :]
         n = jnp.maximum(jnp.sum(rounds), 1).astype(jnp.float32)
@@ -89,6 +109,19 @@ class Fallback:
         variance = jnp.maximum(jnp.sum(accept_hist * j * j) / n - mean * mean, 0.0)
         upper = mean + FALLBACK_STANDARD_ERRORS * jnp.sqrt(variance / n)
         return checkpoint & (upper < self.break_even)
+
+    def resumes(self, hits, seen, depth: int):
+        """[] bool: drafting would pay again. ``hits`` / ``seen`` [B]: of the tokens the plain
+        steps emitted, those the draft's top-1 predicted from the target's taps (its depth-1
+        hit, teacher forced). The hit rate, less ``FALLBACK_STANDARD_ERRORS`` of its standard
+        error, as a chain's acceptance (1 + h + ... + h^depth tokens a round: a tree's top-1
+        path) must reach break-even; the new probe then measures the tree itself."""
+        n = jnp.sum(seen).astype(jnp.float32)
+        h = jnp.sum(hits) / jnp.maximum(n, 1.0)
+        low = jnp.clip(h - FALLBACK_STANDARD_ERRORS * jnp.sqrt(h * (1 - h) / jnp.maximum(n, 1.0)),
+                       0.0, 1.0)
+        chain = jnp.sum(low ** jnp.arange(depth + 1, dtype=jnp.float32))
+        return (n > 0) & (chain >= self.break_even)
 
 
 @struct.dataclass
@@ -104,8 +137,16 @@ class EagleState:
     accept_hist: jax.Array  # [B, W + 1] count of rounds that emitted j tokens
     step: jax.Array  # [] rounds and plain steps so far (any row)
     key: jax.Array
-    plain: jax.Array  # [] bool: gave up drafting (Fallback); every later step is plain
+    plain: jax.Array  # [] bool: gave up drafting (Fallback); the steps are plain
     plain_steps: jax.Array  # [B] plain decode steps each row took part in
+    # The fallback's probe (rounds since drafting began or resumed) and the draft's catch-up:
+    probe_step: jax.Array  # [] step when the probe began
+    probe_rounds: jax.Array  # [B] rounds before it
+    probe_hist: jax.Array  # [B, W + 1] accept_hist before it
+    stale: jax.Array  # [B] plain steps the draft has not read (their entries below)
+    stale_taps: jax.Array  # [B, R, 3D] tap f_s of each (R: Fallback.resume_window, or 0)
+    stale_tokens: jax.Array  # [B, R] and x_{s+1}, the token it emitted
+    resumes: jax.Array  # [B] times drafting resumed after a give-up
 
 
 @struct.dataclass
@@ -113,7 +154,8 @@ class EagleOutput:
     """tokens [B, max_new_tokens] (-1 padded, EOS excluded), num_generated [B], hit_eos [B],
     rounds [B] verification rounds per row, accept_hist [B, depth + 2]: rounds that emitted
     j tokens (accepted drafts + 1, less an EOS or tokens past max_new_tokens), plain_steps [B]:
-    plain decode steps after a :class:`Fallback` gave up drafting (one token each)."""
+    plain decode steps after a :class:`Fallback` gave up drafting (one token each), resumes
+    [B]: times drafting resumed after that."""
 
     tokens: jax.Array
     num_generated: jax.Array
@@ -121,6 +163,7 @@ class EagleOutput:
     rounds: jax.Array
     accept_hist: jax.Array
     plain_steps: jax.Array
+    resumes: jax.Array
 
 
 def _draft_extend(head: DraftHead, embed, taps, next_tokens, count, draft_k, draft_v, end):
@@ -153,10 +196,11 @@ class EagleCaches:
 
 def _prefill(target_params, head: DraftHead, prompt_tokens, prompt_lengths, key, *, cfg,
              tree_cfg: TreeConfig, sampling, eos_token_ids, max_new_tokens, max_len,
-             prefix: driver.Prefix | None = None):
+             resume_window: int = 0, prefix: driver.Prefix | None = None):
     b, p = prompt_tokens.shape
     dcfg = head.cfg
-    draft_len = max_len + tree_cfg.draft_slots
+    # A catch-up writes resume_window entries (the stale ones and padding) from before `end`.
+    draft_len = max_len + max(tree_cfg.draft_slots, resume_window)
     if prefix is None:
         start = jnp.zeros((b,), jnp.int32)
         cache, (draft_k, draft_v) = None, empty_draft_cache(dcfg, b, draft_len)
@@ -173,7 +217,7 @@ def _prefill(target_params, head: DraftHead, prompt_tokens, prompt_lengths, key,
     # token just sampled. Entries from `start` on are new: index j below is entry start + j.
     shifted = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
     shifted = jnp.where(jnp.arange(p)[None] == last, first[:, None], shifted)
-    taps = out.taps
+    taps = out_taps = out.taps
     if prefix is not None:
         entries = jnp.minimum(start[:, None] + jnp.arange(p)[None], p - 1)  # [B, P]
         shifted = jnp.take_along_axis(shifted, entries, axis=1)
@@ -186,11 +230,15 @@ def _prefill(target_params, head: DraftHead, prompt_tokens, prompt_lengths, key,
                         jnp.ones((b,), jnp.int32), prompt_lengths > 0, eos_token_ids)
     # A prompt that leaves no room for one tree stops after the prefill token (as _round does).
     out = out.stop_where(cache.end + tree_cfg.total_tokens + width > max_len)
+    zeros = jnp.zeros((b,), jnp.int32)
     return EagleState(
         cache=cache, draft_k=draft_k, draft_v=draft_v, root=first, root_logp=root_logp,
-        root_h=root_h, out=out, rounds=jnp.zeros((b,), jnp.int32),
-        accept_hist=jnp.zeros((b, width + 1), jnp.int32), step=jnp.zeros((), jnp.int32), key=key,
-        plain=jnp.zeros((), bool), plain_steps=jnp.zeros((b,), jnp.int32))
+        root_h=root_h, out=out, rounds=zeros, accept_hist=jnp.zeros((b, width + 1), jnp.int32),
+        step=jnp.zeros((), jnp.int32), key=key, plain=jnp.zeros((), bool), plain_steps=zeros,
+        probe_step=jnp.zeros((), jnp.int32), probe_rounds=zeros,
+        probe_hist=jnp.zeros((b, width + 1), jnp.int32), stale=zeros,
+        stale_taps=jnp.zeros((b, resume_window, out_taps.shape[-1]), out_taps.dtype),
+        stale_tokens=jnp.zeros((b, resume_window), jnp.int32), resumes=zeros)
 
 
 def draft_proposer(target_params, head: DraftHead, state: EagleState, cfg: TargetConfig,
@@ -251,21 +299,71 @@ def _round(target_params, head: DraftHead, state: EagleState, *, cfg: TargetConf
 
 
 def _plain_step(target_params, state: EagleState, *, cfg: TargetConfig, tree_cfg: TreeConfig,
-                sampling, eos_token_ids) -> EagleState:
+                sampling, eos_token_ids, tap_layers=()) -> EagleState:
     """One plain decode step (after a Fallback): feed the root at slot ``end``, sample the next
-    token from the target, emit it; the draft's state is not touched (it is not used again)."""
+    token from the target, emit it. The draft's cache does not move: the step's draft entry
+    (the root's tap, the new token) waits in ``stale_taps`` / ``stale_tokens`` for the next
+    catch-up (only counted in ``stale`` where the fallback never resumes: no buffer)."""
     active = ~state.out.done
     step = state.step + 1
-    token, cache = decode_step(target_params, cfg, state.cache, state.root, active,
-                               jax.random.fold_in(state.key, step), sampling)
+    window = state.stale_tokens.shape[1]
+    token, cache, taps = decode_step(target_params, cfg, state.cache, state.root, active,
+                                     jax.random.fold_in(state.key, step), sampling,
+                                     tap_layers if window else ())
     emitted = append_tokens(state.out, token[:, None], jnp.ones_like(cache.end), active,
                             eos_token_ids)
     # The same stop rule as a round's, so a row ends where it would have under EAGLE.
     emitted = emitted.stop_where(cache.end + tree_cfg.total_tokens + tree_cfg.depth + 1
                                  > cache.max_len)
+    stale_taps, stale_tokens = state.stale_taps, state.stale_tokens
+    if window:  # a row's entry at its own count; inactive rows write nothing (index dropped)
+        rows = jnp.arange(token.shape[0])
+        at = jnp.where(active, state.stale, window)
+        stale_taps = stale_taps.at[rows, at].set(taps[:, 0], mode="drop")
+        stale_tokens = stale_tokens.at[rows, at].set(token, mode="drop")
     return dataclasses.replace(state, cache=cache, root=jnp.where(active, token, state.root),
                                out=emitted, step=step,
-                               plain_steps=state.plain_steps + active.astype(jnp.int32))
+                               plain_steps=state.plain_steps + active.astype(jnp.int32),
+                               stale=state.stale + active.astype(jnp.int32),
+                               stale_taps=stale_taps, stale_tokens=stale_tokens)
+
+
+def _catch_up(target_params, head: DraftHead, state: EagleState, fallback: Fallback,
+              depth: int) -> EagleState:
+    """The draft reads the ``stale`` entries the plain steps left (one forward over the
+    buffer), so it can draft from the root again, and scores its top-1 on the tokens the target
+    emitted after the last ``RESUME_SCORED`` of them (its output there); drafting resumes (a
+    new probe: ``probe_*``) where :meth:`Fallback.resumes` says it pays."""
+    count = state.stale
+    end = state.cache.end - count
+    b, w = state.stale_tokens.shape
+    rows = jnp.arange(b)[:, None]
+    positions = end[:, None] + jnp.arange(w)[None, :]
+    g = fuse_taps(head.params, head.cfg, state.stale_taps)
+    embeds = weight_rows(target_params["embed"], state.stale_tokens)
+    # Outputs at entries count - 1 - n .. count - 1: each scored entry's predicts the next
+    # entry's token; the last one's is the root's next token (the draft's next root).
+    n = min(RESUME_SCORED, w - 1)
+    at = (count - 1 - n)[:, None] + jnp.arange(n + 1)[None, :]  # [B, n + 1]
+    h, logits, draft_k, draft_v = draft_step_cached(
+        head.params, head.cfg, embeds, g, positions, causal_mask(end, w, state.draft_v.shape[2]),
+        state.draft_k, state.draft_v, positions, outputs_at=jnp.maximum(at, 0))
+    predicted = head.vocab.draft_to_target[jnp.argmax(logits[:, :n], axis=-1)]  # [B, n]
+    scored = at[:, :n] >= 0
+    following = state.stale_tokens[rows, jnp.clip(at[:, :n] + 1, 0, w - 1)]
+    hits = jnp.sum(scored & (predicted == following), axis=1)
+    seen = jnp.sum(scored, axis=1)
+    moved = (count > 0)[:, None]
+    resume = fallback.resumes(hits, seen, depth)
+    return dataclasses.replace(
+        state, draft_k=draft_k, draft_v=draft_v,
+        root_h=jnp.where(moved, h[:, n], state.root_h),
+        root_logp=jnp.where(moved, jax.nn.log_softmax(logits[:, n]), state.root_logp),
+        stale=jnp.zeros_like(count), plain=state.plain & ~resume,
+        probe_step=jnp.where(resume, state.step, state.probe_step),
+        probe_rounds=jnp.where(resume, state.rounds, state.probe_rounds),
+        probe_hist=jnp.where(resume, state.accept_hist, state.probe_hist),
+        resumes=state.resumes + (resume & ~state.out.done).astype(jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +388,11 @@ class EagleDecoding:
         return _prefill(target_params, head, prompt_tokens, prompt_lengths, key, cfg=self.cfg,
                         tree_cfg=self.tree, sampling=self.sampling,
                         eos_token_ids=self.eos_token_ids, max_new_tokens=self.max_new_tokens,
-                        max_len=self.max_len, prefix=prefix)
+                        max_len=self.max_len, resume_window=self._resume_window, prefix=prefix)
+
+    @property
+    def _resume_window(self) -> int:
+        return self.fallback.resume_window if self.fallback is not None else 0
 
     def step(self, params, state: EagleState) -> EagleState:
         """One draft-verify-accept-commit round; with a fallback, then its check."""
@@ -300,32 +402,52 @@ class EagleDecoding:
                        proposer=self.proposer)
         if self.fallback is None:
             return state
-        gives_up = self.fallback.gives_up(state.step, state.rounds, state.accept_hist)
+        gives_up = self.fallback.gives_up(state.step - state.probe_step,
+                                          state.rounds - state.probe_rounds,
+                                          state.accept_hist - state.probe_hist)
         return dataclasses.replace(state, plain=state.plain | gives_up)
 
     def plain_step(self, params, state: EagleState) -> EagleState:
         """One plain decode step (after the fallback gave up drafting)."""
         return _plain_step(params[0], state, cfg=self.cfg, tree_cfg=self.tree,
-                           sampling=self.sampling, eos_token_ids=self.eos_token_ids)
+                           sampling=self.sampling, eos_token_ids=self.eos_token_ids,
+                           tap_layers=params[1].cfg.tap_layers)
+
+    def catch_up(self, params, state: EagleState) -> EagleState:
+        """The draft reads the plain steps' entries; drafting may resume (:func:`_catch_up`)."""
+        return _catch_up(params[0], params[1], state, self.fallback, self.tree.depth)
 
     @property
     def phases(self):
         """Rounds; with a fallback, rounds while it keeps drafting, then plain steps (the
-        driver runs each phase as its own loop)."""
+        driver runs each phase as its own loop). With a fallback that may resume, the plain
+        steps last until ``resume_window`` of them wait for the draft, then one catch-up, and
+        the three phases repeat (``cycles``) until every row is done."""
         if self.fallback is None:
             return ((self.step, None),)
-        return ((self.step, lambda state: ~state.plain), (self.plain_step, None))
+        if not self._resume_window:
+            return ((self.step, lambda state: ~state.plain), (self.plain_step, None))
+        full = lambda state: jnp.max(state.stale) >= self._resume_window  # noqa: E731
+        return ((self.step, lambda state: ~state.plain),
+                (self.plain_step, lambda state: state.plain & ~full(state)),
+                (self.catch_up, lambda state: state.plain & full(state)))
+
+    @property
+    def cycles(self) -> bool:
+        return len(self.phases) > 2
 
     def output(self, state: EagleState) -> EagleOutput:
         return EagleOutput(tokens=state.out.tokens, num_generated=state.out.num_generated,
                            hit_eos=state.out.hit_eos, rounds=state.rounds,
-                           accept_hist=state.accept_hist, plain_steps=state.plain_steps)
+                           accept_hist=state.accept_hist, plain_steps=state.plain_steps,
+                           resumes=state.resumes)
 
     def reusable(self, state: EagleState) -> EagleCaches:
         """Both caches, for a later call's :class:`eagle3_jax.decoding.driver.Prefix`. Plain
-        steps after a fallback move the target's cache but not the draft's."""
+        steps after a fallback move the target's cache; the draft's lags by the ``stale``
+        ones it has not read."""
         return EagleCaches(state.cache, state.draft_k, state.draft_v,
-                           state.cache.end - state.plain_steps)
+                           state.cache.end - state.stale)
 
     @staticmethod
     def reusable_slots(caches: EagleCaches) -> jax.Array:

@@ -67,15 +67,18 @@ class GenerateOutput:
 
 
 def decode_step(params: Params, cfg: TargetConfig, cache: KVCache, token: jax.Array,
-                active: jax.Array, key: jax.Array, sampling: SamplingParams
-                ) -> tuple[jax.Array, KVCache]:
+                active: jax.Array, key: jax.Array, sampling: SamplingParams,
+                tap_layers: Sequence[int] = ()) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """One decode step: feed ``token`` [B] at slot ``cache.end``, sample the next token [B];
     the cache's ``end`` moves on for ``active`` [B] rows only. Plain decoding's step, and
-    EAGLE's once it gives up drafting (:class:`eagle3_jax.decoding.eagle.Fallback`)."""
+    EAGLE's once it gives up drafting (:class:`eagle3_jax.decoding.eagle.Fallback`), which
+    also reads the fed token's ``taps`` [B, 1, len(tap_layers) * D] (None without
+    ``tap_layers``) to catch its draft up later."""
     out = forward(params, cfg, token[:, None], cache.end[:, None],
-                  causal_mask(cache.end, 1, cache.max_len), cache)
+                  causal_mask(cache.end, 1, cache.max_len), cache, tap_layers=tap_layers)
     next_token = sample(key, out.logits[:, 0], sampling)
-    return next_token, dataclasses.replace(out.cache, end=cache.end + active.astype(jnp.int32))
+    return (next_token, dataclasses.replace(out.cache, end=cache.end + active.astype(jnp.int32)),
+            out.taps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +118,8 @@ class PlainDecoding:
         """Feed each row's last token at slot ``end``, advance live rows by one, sample next."""
         active = ~state.out.done
         step = state.step + 1
-        token, cache = decode_step(params, self.cfg, state.cache, state.last_token, active,
-                                   jax.random.fold_in(state.key, step), self.sampling)
+        token, cache, _ = decode_step(params, self.cfg, state.cache, state.last_token, active,
+                                      jax.random.fold_in(state.key, step), self.sampling)
         return self._emit(dataclasses.replace(state, cache=cache, step=step), token, active)
 
     def output(self, state: DecodeState) -> GenerateOutput:
