@@ -272,7 +272,7 @@ def test_outputs_at_one_position_equal_the_full_steps(eagle31):
     args = (params, cfg, embed[tokens], g, positions, mask, *cache, positions)
     h, logits, ck, cv = draft_step_cached(*args)
     at = jnp.asarray([T - 1, 5])
-    h1, logits1, ck1, cv1 = draft_step_cached(*args, outputs_at=at)
+    h1, logits1, ck1, cv1 = draft_step_cached(*args, outputs_at=at[:, None])
     assert h1.shape == (b, 1, cfg.hidden_size) and logits1.shape == (b, 1, logits.shape[-1])
     np.testing.assert_array_equal(ck1, ck)
     np.testing.assert_array_equal(cv1, cv)
@@ -475,7 +475,7 @@ def test_draft_step_on_the_attention_kernel_equals_xla(outputs_at):
         for j in range(t):
             if write_slots[r, j] < slots:
                 mask[r, j, write_slots[r, j]] = True  # each token sees itself
-    at = jnp.asarray([4, 2]) if outputs_at else None
+    at = jnp.asarray([[4], [2]]) if outputs_at else None
     args = (params, cfg, f32(b, t, 64), f32(b, t, 64), jnp.asarray(write_slots),
             jnp.asarray(mask), cache_k, cache_v, jnp.asarray(write_slots))
     assert uses_attention_kernel((b, t, 4, 16), 2, jnp.float32)

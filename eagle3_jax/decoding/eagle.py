@@ -166,20 +166,25 @@ class EagleOutput:
     resumes: jax.Array
 
 
-def _draft_extend(head: DraftHead, embed, taps, next_tokens, count, draft_k, draft_v, end):
+def _draft_extend(head: DraftHead, embed, taps, next_tokens, count, draft_k, draft_v, end,
+                  scored: int = 0):
     """The draft reads W new context entries (f_s, x_{s+1}) at slots/positions end + j.
 
     taps [B, W, 3D], next_tokens [B, W]; only the first ``count`` [B] are real. Returns the
-    draft feature and log-probs at entry count - 1, and the updated cache.
+    draft feature and log-probs at entry count - 1, the updated cache, and the draft's logits
+    [B, scored, Vd] at the ``scored`` entries before that one (entry count - 1 - scored + i;
+    those before entry 0 are entry 0's).
     """
     b, w = next_tokens.shape
     positions = end[:, None] + jnp.arange(w)[None, :]
     mask = causal_mask(end, w, draft_v.shape[2])
     g = fuse_taps(head.params, head.cfg, taps)
+    at = (count - 1 - scored)[:, None] + jnp.arange(scored + 1)[None, :]  # [B, scored + 1]
     h, logits, draft_k, draft_v = draft_step_cached(
         head.params, head.cfg, weight_rows(embed, jnp.maximum(next_tokens, 0)), g,
-        positions, mask, draft_k, draft_v, positions, outputs_at=jnp.maximum(count - 1, 0))
-    return h[:, 0], jax.nn.log_softmax(logits[:, 0]), draft_k, draft_v
+        positions, mask, draft_k, draft_v, positions, outputs_at=jnp.maximum(at, 0))
+    return (h[:, scored], jax.nn.log_softmax(logits[:, scored]), draft_k, draft_v,
+            logits[:, :scored])
 
 
 @struct.dataclass
@@ -222,7 +227,7 @@ def _prefill(target_params, head: DraftHead, prompt_tokens, prompt_lengths, key,
         entries = jnp.minimum(start[:, None] + jnp.arange(p)[None], p - 1)  # [B, P]
         shifted = jnp.take_along_axis(shifted, entries, axis=1)
         taps = jnp.take_along_axis(taps, entries[:, :, None], axis=1)
-    root_h, root_logp, draft_k, draft_v = _draft_extend(
+    root_h, root_logp, draft_k, draft_v, _ = _draft_extend(
         head, target_params["embed"], taps, shifted, prompt_lengths - start, draft_k, draft_v,
         start)
     width = tree_cfg.depth + 1
@@ -279,7 +284,7 @@ def _round(target_params, head: DraftHead, state: EagleState, *, cfg: TargetConf
     new_tokens = jnp.where(j < acc.num_accepted[:, None], following,
                            jnp.where(j == acc.num_accepted[:, None], acc.bonus[:, None], -1))
     path_taps = jnp.take_along_axis(taps, jnp.maximum(acc.path, 0)[:, :, None], axis=1)
-    root_h, root_logp, draft_k, draft_v = _draft_extend(
+    root_h, root_logp, draft_k, draft_v, _ = _draft_extend(
         head, embed, path_taps, new_tokens, count, draft_k, draft_v, end)
     out = append_tokens(state.out, new_tokens, count, active, eos_token_ids)
     # The round's acceptance length is what it emitted: an EOS and tokens past max_new_tokens
@@ -335,30 +340,24 @@ def _catch_up(target_params, head: DraftHead, state: EagleState, fallback: Fallb
     emitted after the last ``RESUME_SCORED`` of them (its output there); drafting resumes (a
     new probe: ``probe_*``) where :meth:`Fallback.resumes` says it pays."""
     count = state.stale
-    end = state.cache.end - count
     b, w = state.stale_tokens.shape
-    rows = jnp.arange(b)[:, None]
-    positions = end[:, None] + jnp.arange(w)[None, :]
-    g = fuse_taps(head.params, head.cfg, state.stale_taps)
-    embeds = weight_rows(target_params["embed"], state.stale_tokens)
-    # Outputs at entries count - 1 - n .. count - 1: each scored entry's predicts the next
-    # entry's token; the last one's is the root's next token (the draft's next root).
     n = min(RESUME_SCORED, w - 1)
-    at = (count - 1 - n)[:, None] + jnp.arange(n + 1)[None, :]  # [B, n + 1]
-    h, logits, draft_k, draft_v = draft_step_cached(
-        head.params, head.cfg, embeds, g, positions, causal_mask(end, w, state.draft_v.shape[2]),
-        state.draft_k, state.draft_v, positions, outputs_at=jnp.maximum(at, 0))
-    predicted = head.vocab.draft_to_target[jnp.argmax(logits[:, :n], axis=-1)]  # [B, n]
-    scored = at[:, :n] >= 0
-    following = state.stale_tokens[rows, jnp.clip(at[:, :n] + 1, 0, w - 1)]
+    root_h, root_logp, draft_k, draft_v, logits = _draft_extend(
+        head, target_params["embed"], state.stale_taps, state.stale_tokens, count,
+        state.draft_k, state.draft_v, state.cache.end - count, scored=n)
+    # Scored entry e = count - 1 - n + i predicts entry e + 1's token.
+    at = (count - 1 - n)[:, None] + jnp.arange(n)[None, :]  # [B, n]
+    predicted = head.vocab.draft_to_target[jnp.argmax(logits, axis=-1)]
+    following = jnp.take_along_axis(state.stale_tokens, jnp.clip(at + 1, 0, w - 1), axis=1)
+    scored = at >= 0
     hits = jnp.sum(scored & (predicted == following), axis=1)
     seen = jnp.sum(scored, axis=1)
     moved = (count > 0)[:, None]
     resume = fallback.resumes(hits, seen, depth)
     return dataclasses.replace(
         state, draft_k=draft_k, draft_v=draft_v,
-        root_h=jnp.where(moved, h[:, n], state.root_h),
-        root_logp=jnp.where(moved, jax.nn.log_softmax(logits[:, n]), state.root_logp),
+        root_h=jnp.where(moved, root_h, state.root_h),
+        root_logp=jnp.where(moved, root_logp, state.root_logp),
         stale=jnp.zeros_like(count), plain=state.plain & ~resume,
         probe_step=jnp.where(resume, state.step, state.probe_step),
         probe_rounds=jnp.where(resume, state.rounds, state.probe_rounds),

@@ -129,11 +129,10 @@ def draft_step_cached(params: Params, cfg: DraftConfig, embeds: jax.Array, g: ja
       mask: [B, T, S] bool over cache slots (after this step's keys are written).
       cache_k: [B, K, H, S]; cache_v: [B, K, S, H] (``empty_draft_cache``).
       write_slots: [B, T] slots for this step's keys.
-      outputs_at: [B] one position per row, [B, T'] several, or None (all T): every position's
-        keys and values enter the cache, but the layer's output (MLP, output head; the attention
-        too where the CPU kernel does not run it) is computed at these positions only (T' = 1
-        for [B]). A prefill over a long prompt then pays for one output, not one per prompt
-        token.
+      outputs_at: [B, T'] positions per row, or None (all T): every position's keys and values
+        enter the cache, but the layer's output (MLP, output head; the attention too where the
+        CPU kernel does not run it) is computed at these positions only. A prefill over a long
+        prompt then pays for one output, not one per prompt token.
     Returns:
       (the next step's feature [B, T', D] (:func:`next_feature`), logits [B, T', Vd], cache_k,
       cache_v).
@@ -156,20 +155,15 @@ def draft_step_cached(params: Params, cfg: DraftConfig, embeds: jax.Array, g: ja
         # rotated keys, would not depend on the kernel otherwise, and XLA copied their cache).
         cache_k, cache_v = write_kv(cache_k, cache_v, rows, write_slots, k, v, after=attn)
         if outputs_at is not None:
-            attn, g = (a[rows, _output_rows(outputs_at)] for a in (attn, g))
+            attn, g = (a[rows, outputs_at] for a in (attn, g))
     else:
         q, k = rotate(q, *rope), rotate(k, *rope)
         cache_k, cache_v = write_kv(cache_k, cache_v, rows, write_slots, k, v)  # [B, T, K, H]
         if outputs_at is not None:
-            q, g, mask = (a[rows, _output_rows(outputs_at)] for a in (q, g, mask))
+            q, g, mask = (a[rows, outputs_at] for a in (q, g, mask))
         attn = attention(q, [(cache_k, cache_v, mask)])
     h = finish_layer(params, cfg, g, attn)
     return next_feature(params, cfg, h), draft_logits(params, cfg, h), cache_k, cache_v
-
-
-def _output_rows(outputs_at: jax.Array) -> jax.Array:
-    """``outputs_at`` [B] or [B, T'] as [B, T'] indices into the step's T tokens."""
-    return outputs_at[:, None] if outputs_at.ndim == 1 else outputs_at
 
 
 def split_write_mask(mask: jax.Array, write_slots: jax.Array) -> tuple[jax.Array, jax.Array]:
