@@ -371,16 +371,22 @@ def test_commit_equals_recomputing_the_caches(models):
 SAMPLERS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)]
 
 
-def _exact_joint(params, cfg, prompt, sampling):
-    """P(t1, t2 | prompt) [V, V] under the target with the sampling rules applied."""
-    v = cfg.vocab_size
-    n = prompt.shape[0]
-    seqs = jnp.concatenate([jnp.broadcast_to(prompt, (v, n)), jnp.arange(v)[:, None]], axis=1)
-    mask = jnp.tril(jnp.ones((n + 1, n + 1), bool))[None].repeat(v, 0)
-    out = _jit_forward(params, cfg, seqs, jnp.broadcast_to(jnp.arange(n + 1), (v, n + 1)), mask)
-    p1 = probs(out.logits[0, n - 1][None], sampling)[0]
-    p2 = probs(out.logits[:, n], sampling)
-    return np.asarray(p1[:, None] * p2, np.float64)
+def _exact_joint(params, cfg, prompt, sampling, k=2):
+    """P(t_1, ..., t_k | prompt) [V] * k under the target with the sampling rules applied: one
+    forward over every prefix t_1 .. t_{k-1} (V^(k-1) rows), whose logits at the last k
+    positions give each factor P(t_j | prompt, t_<j)."""
+    v, n = cfg.vocab_size, prompt.shape[0]
+    prefixes = np.indices((v,) * (k - 1)).reshape(k - 1, -1).T  # [V^(k-1), k-1], row-major
+    rows, width = len(prefixes), n + k - 1
+    seqs = jnp.concatenate([jnp.broadcast_to(prompt, (rows, n)), jnp.asarray(prefixes, jnp.int32)],
+                           axis=1)
+    mask = jnp.tril(jnp.ones((width, width), bool))[None].repeat(rows, 0)
+    out = _jit_forward(params, cfg, seqs, jnp.broadcast_to(jnp.arange(width), (rows, width)), mask)
+    p = np.asarray(probs(out.logits[:, n - 1:], sampling), np.float64)  # [rows, k, V]
+    joint = np.ones(rows)
+    for j in range(k - 1):  # P(t_{j+1} | prompt, t_1 .. t_j), read on the row of the whole prefix
+        joint *= p[np.arange(rows), j, prefixes[:, j]]
+    return (joint[:, None] * p[:, k - 1]).reshape((v,) * k)
 
 
 def _sample_pairs(params, cfg, head, prompt, sampling, samples, seed):
@@ -715,20 +721,6 @@ def test_catch_up_counts_the_drafts_top1_hits_on_the_plain_steps_tokens(tiny_voc
     assert 0 < total < sum(int(s.sum()) for _, s in handed)
 
 
-def _exact_joint3(params, cfg, prompt, sampling):
-    """P(t1, t2, t3 | prompt) [V, V, V] under the target with the sampling rules applied."""
-    v, n = cfg.vocab_size, prompt.shape[0]
-    pairs = jnp.stack(jnp.meshgrid(jnp.arange(v), jnp.arange(v), indexing="ij"), -1)
-    seqs = jnp.concatenate([jnp.broadcast_to(prompt, (v * v, n)), pairs.reshape(-1, 2)], axis=1)
-    mask = jnp.tril(jnp.ones((n + 2, n + 2), bool))[None].repeat(v * v, 0)
-    out = _jit_forward(params, cfg, seqs, jnp.broadcast_to(jnp.arange(n + 2), (v * v, n + 2)),
-                       mask)
-    p1 = probs(out.logits[0, n - 1][None], sampling)[0]
-    p2 = probs(out.logits[::v, n], sampling)  # [t1, t2]
-    p3 = probs(out.logits[:, n + 1], sampling).reshape(v, v, v)  # [t1, t2, t3]
-    return np.asarray(p1[:, None, None] * p2[:, :, None] * p3, np.float64)
-
-
 def test_sampling_after_a_fallback_is_lossless(tiny_vocab_models):
     """Round 1 drafts, then every step is plain: three sampled tokens (the prefill's, the
     round's, and a plain step's where the round accepted nothing) follow the exact joint."""
@@ -743,7 +735,27 @@ def test_sampling_after_a_fallback_is_lossless(tiny_vocab_models):
                          fallback=eagle_mod.Fallback(50.0, probe_rounds=1))
     assert (np.asarray(out.num_generated) == 3).all()
     assert np.asarray(out.plain_steps).sum() > samples // 4  # the plain step made many t3
-    exact = _exact_joint3(params, cfg, prompt, sampling)
+    exact = _exact_joint(params, cfg, prompt, sampling, k=3)
+    assert _chi_square_pvalue(np.asarray(out.tokens), exact) > 1e-3
+
+
+def test_sampling_after_a_resume_is_lossless():
+    """Round 1 gives up, two plain steps, the draft's catch-up, and drafting resumes: where
+    round 1 accepted nothing, the fifth token is the resumed round's. Five sampled tokens
+    follow the exact joint (vocabulary 4: 1,024 cells)."""
+    cfg, params, head = make_models(vocab=4, draft_vocab=4, seed=4, scale=0.5)
+    sampling = SAMPLERS[0]
+    prompt = jnp.asarray([1, 3, 2, 0, 3], jnp.int32)
+    samples = 16000
+    out = generate_eagle(params, cfg, head, jnp.broadcast_to(prompt, (samples, 5)),
+                         jnp.full((samples,), 5, jnp.int32), max_new_tokens=5,
+                         tree=TreeConfig(tree_top_k=2, depth=2, total_tokens=5),
+                         sampling=sampling, key=jax.random.key(2),
+                         fallback=_Flapping(50.0, probe_rounds=1, resume_window=2))
+    assert (np.asarray(out.num_generated) == 5).all()
+    resumed = (np.asarray(out.resumes) > 0) & (np.asarray(out.rounds) == 2)
+    assert resumed.sum() > samples // 4, resumed.sum()  # many fifth tokens came from a resume
+    exact = _exact_joint(params, cfg, prompt, sampling, k=5)
     assert _chi_square_pvalue(np.asarray(out.tokens), exact) > 1e-3
 
 
