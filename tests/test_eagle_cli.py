@@ -212,17 +212,22 @@ def test_full_context_stops_cleanly(tiny, capsys):
     assert prompt + n - 1 + 8 + 4 > TINY.max_position_embeddings
 
 
+def _bench_target_and_head(tmp_path):
+    """A tiny random target (as ``load_fn`` hands the bench) and a random head's folder."""
+    cfg = TargetConfig(**{**TINY.to_dict(), "max_position_embeddings": 1024})
+    target = types.SimpleNamespace(cfg=cfg, params=to_serving(
+                                       init_params(cfg, jax.random.key(3), scale=0.3), cfg),
+                                   tokenizer=ByteTokenizer(), source="tiny-random")
+    return target, export_draft_head(random_head(cfg, 200, seed=4), tmp_path / "head")
+
+
 def test_bench_speed_json(tmp_path, capsys):
     """The speed benchmark's plumbing on a tiny random target (SmolLM2 runs above cover the real
     model): JSON shape, both modes identical, two MT-bench turns (the second from the first's
     caches), table and plot written."""
     from eagle3_jax.bench.speed import main as speed_main
 
-    cfg = TargetConfig(**{**TINY.to_dict(), "max_position_embeddings": 1024})
-    target = types.SimpleNamespace(cfg=cfg, params=to_serving(
-                                       init_params(cfg, jax.random.key(3), scale=0.3), cfg),
-                                   tokenizer=ByteTokenizer(), source="tiny-random")
-    head = export_draft_head(random_head(cfg, 200, seed=4), tmp_path / "head")
+    target, head = _bench_target_and_head(tmp_path)
     out = tmp_path / "speed.json"
     code = speed_main(["--tasks", "mt_bench,gsm8k", "--num-prompts", "1", "--max-new-tokens",
                        "8", "--draft", str(head), "--out", str(out), "--reuse-prefix",
@@ -258,6 +263,30 @@ def test_bench_speed_json(tmp_path, capsys):
     assert result["config"]["tree"] == {"tree_top_k": 2, "depth": 3, "total_tokens": 8}
     assert "| mt_bench |" in captured.out
     assert out.with_suffix(".md").is_file() and out.with_suffix(".png").stat().st_size > 0
+
+
+def test_bench_speed_ceiling_is_the_targets_own_chain_at_temperature_0(tmp_path, capsys):
+    """``--ceiling``: the target drafts for itself, so a greedy round accepts the whole depth
+    (a turn of 1 + 2 (depth + 1) tokens takes 2 rounds), the output is plain decoding's, and
+    it refuses --fallback in one line."""
+    from eagle3_jax.bench.speed import main as speed_main
+
+    target, head = _bench_target_and_head(tmp_path)
+    out = tmp_path / "ceiling.json"
+    args = ["--tasks", "mt_bench,gsm8k", "--num-prompts", "2", "--max-new-tokens", "9",
+            "--draft", str(head), "--out", str(out), "--no-plot", *TREE_ARGS]
+    code = speed_main([*args, "--ceiling"], load_fn=lambda _: target)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    result = json.loads(out.read_text())
+    assert result["config"]["ceiling"] is True and "drafting for itself" in result["config"]["draft"]
+    turns = [t for task in result["tasks"].values() for t in task["per_turn"]]
+    assert all(task["identical"] for task in result["tasks"].values())
+    full = [t for t in turns if t["new_tokens"] == 9]  # no EOS before the last token
+    assert full and all(t["rounds"] == 2 and t["tau"] == 4.0 for t in full), turns
+    code = speed_main([*args, "--ceiling", "--fallback"], load_fn=lambda _: target)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "--ceiling" in err[0]
 
 
 def test_bench_speed_times_hf_transformers_beside(tmp_path, capsys, monkeypatch):

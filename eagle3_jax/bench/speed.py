@@ -264,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", action="store_true",
                    help="also time HF transformers float32 greedy generate on the same prompts "
                         "(interleaved; needs torch)")
+    p.add_argument("--ceiling", action="store_true",
+                   help="the target drafts for itself (a draft with q = p, "
+                        "eagle3_jax.decoding.ceiling): tau is the most any head can accept "
+                        "with this tree and temperature; its times are not a speed-up")
     p.add_argument("--out", default="bench_speed.json")
     p.add_argument("--no-plot", action="store_true")
     return p
@@ -281,6 +285,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
                                        resolve_tree)
     from eagle3_jax.cli.output import log
     from eagle3_jax.decoding.decoders import CompileCache, EagleDecoder, PlainDecoder
+    from eagle3_jax.decoding.eagle import draft_proposer
     from eagle3_jax.decoding.sampling import sampling_from_flags
     from eagle3_jax.draft.load import check_head_path, load_head
 
@@ -289,6 +294,8 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
         raise UsageError(f"--tasks must name some of {', '.join(TASKS)}, got {args.tasks!r}")
     if not 1 <= args.num_prompts <= 80 or args.max_new_tokens < 1 or args.repeats < 1:
         raise UsageError("--num-prompts must be in 1..80, --max-new-tokens and --repeats >= 1")
+    if args.ceiling and (args.fallback or args.hf):
+        raise UsageError("--ceiling measures acceptance only; drop --fallback and --hf")
     if args.resume_window is not None and not args.fallback:
         raise UsageError("--resume-window applies with --fallback; add it or drop this flag")
     if args.resume_window is not None and (args.resume_window < 0 or args.resume_window == 1):
@@ -328,10 +335,17 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
         fallback = fallback_for(target.params, target.cfg, head, tree, resume_window=window,
                                 log=log)
     cache = CompileCache(log)
+    proposer = draft_proposer
+    if args.ceiling:
+        from eagle3_jax.decoding.ceiling import TargetProposer
+
+        proposer = TargetProposer(sampling)
+        description = f"the target drafting for itself (the ceiling; head {description})"
     decoders = {"vanilla": PlainDecoder(target, sampling, args.max_new_tokens, 0,
                                         compile_cache=cache),
                 "eagle": EagleDecoder(target, sampling, args.max_new_tokens, 0, head=head,
-                                      tree=tree, compile_cache=cache, fallback=fallback)}
+                                      tree=tree, compile_cache=cache, fallback=fallback,
+                                      proposer=proposer)}
     log(f"[speed: {target.source} with {description}; tree tree_top_k={tree.tree_top_k} depth="
         f"{tree.depth} total_tokens={tree.total_tokens}]")
     results, warm = {}, set()
@@ -349,7 +363,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
                        "total_tokens": tree.total_tokens},
               "total_tokens_auto": total_tokens == "auto", "fallback": args.fallback,
               "resume_window": window if args.fallback else None,
-              "reuse_prefix": args.reuse_prefix,
+              "reuse_prefix": args.reuse_prefix, "ceiling": args.ceiling,
               "num_prompts": args.num_prompts,
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "batch_size": 1,
               "temperature": args.temperature, "seconds": round(time.perf_counter() - start, 1),

@@ -32,7 +32,7 @@ from eagle3_jax.compile_cache import drop_compiled_programs, memory_mappings, ne
 from eagle3_jax.decoding import driver
 from eagle3_jax.decoding.acceptance import mean_accept_length
 from eagle3_jax.decoding.batching import PaddedPrompts, pad_prompts
-from eagle3_jax.decoding.eagle import Fallback, eagle_decoding
+from eagle3_jax.decoding.eagle import Fallback, draft_proposer, eagle_decoding
 from eagle3_jax.decoding.generate import plain_decoding
 from eagle3_jax.decoding.sampling import SamplingParams
 from eagle3_jax.decoding.tree import TreeConfig
@@ -262,12 +262,15 @@ class EagleDecoder(PlainDecoder):
 
     def __init__(self, target: Any, sampling: SamplingParams, max_new_tokens: int, seed: int,
                  *, head: DraftHead, tree: TreeConfig, compile_cache: CompileCache | None = None,
-                 fallback: Callable[[int, int], Fallback] | None = None):
+                 fallback: Callable[[int, int], Fallback] | None = None,
+                 proposer: Callable = draft_proposer):
         """``fallback(prompt_width, batch) -> Fallback`` (e.g.
         :func:`eagle3_jax.decoding.autotune.fallback_for`): when to give up drafting, per padded
-        prompt width and batch; None drafts to the end."""
+        prompt width and batch; None drafts to the end. ``proposer``: what grows the round's
+        tree (``EagleDecoding.proposer``: the head's by default)."""
         super().__init__(target, sampling, max_new_tokens, seed, compile_cache=compile_cache)
         self.head, self.tree, self.fallback = head.serving(), tree, fallback
+        self.proposer = proposer
 
     def _spec(self, batch: PaddedPrompts):
         fallback = self.fallback(*batch.tokens.shape[::-1]) if self.fallback else None
@@ -275,7 +278,7 @@ class EagleDecoder(PlainDecoder):
                                     max_new_tokens=self.max_new_tokens, tree=self.tree,
                                     sampling=self.sampling,
                                     eos_token_ids=self.target.tokenizer.eos_token_ids,
-                                    fallback=fallback)
+                                    fallback=fallback, proposer=self.proposer)
         return spec, (self.target.params, self.head)
 
     def _on_stream_step(self, state) -> None:

@@ -12,6 +12,10 @@ by candidate index, plus the root form the verified tree. A child's score never 
 parent's (log-probabilities are <= 0) and a parent precedes its children, so the selection is a
 connected tree in parent-first order. ``tree_top_k = 1`` is a chain of ``depth`` tokens.
 
+:func:`grow_tree` is that growth and selection for any proposer of log-probabilities:
+:func:`build_tree` grows it with the draft head, ``eagle3_jax.decoding.ceiling`` with the
+target's own distribution (the acceptance ceiling of a tree shape).
+
 Tree arrays (B batch, N = total_tokens, root at index 0)::
 
     tokens    [B, N] int32  target token ids
@@ -28,6 +32,7 @@ the context plus its own ancestors and itself, as training-time test trained it 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -116,67 +121,41 @@ def tree_from_parents(tokens: jax.Array, parents: jax.Array, depth: int) -> Draf
                      paths=paths.astype(jnp.int32))
 
 
-def build_tree(
-    params: Params,
-    cfg: DraftConfig,
-    vocab: VocabMap,
-    embed: jax.Array,
-    tree_cfg: TreeConfig,
-    root_tokens: jax.Array,
-    root_logp: jax.Array,
-    root_h: jax.Array,
-    cache_k: jax.Array,
-    cache_v: jax.Array,
-    end: jax.Array,
-) -> tuple[DraftTree, jax.Array, jax.Array]:
-    """Grow the draft tree for every row.
+def grow_tree(tree_cfg: TreeConfig, root_tokens: jax.Array, root_logp: jax.Array,
+              to_target: jax.Array | None, expand: Callable, carry: Any) -> tuple[DraftTree, Any]:
+    """Grow and select the tree (module docstring) for every row, whatever proposes the nodes.
 
     Args:
-      params, cfg, vocab: the draft head; embed [V, D] the target's embedding table, or its
-        panels [V/16, D, 16] (``eagle3_jax.kernels.matmul.weight_rows``).
       root_tokens: [B] the token the target produced last (tree index 0).
-      root_logp: [B, Vd] draft log-probabilities for the root's children.
-      root_h: [B, D] the draft's output feature at the context's last index.
-      cache_k [B, K, H, Sd], cache_v [B, K, Sd, H]: draft KV cache; slots [0, end) are the
-        context.
-      end: [B] committed draft context length (the root's draft position is end - 1).
+      root_logp: [B, V'] log-probabilities of the root's children over the proposer's
+        vocabulary.
+      to_target: [V'] the target id of each proposer id, or None (the target's own vocabulary).
+      expand: ``expand(level, tokens, parent, carry) -> (logp [B, k, V'], carry)``: the
+        log-probabilities of the children of the frontier of ``level`` (1-based; its tokens
+        [B, k] as target ids). ``parent`` [B, k] is each frontier node's parent in the frontier
+        before (at level 1 all 0: the root).
+      carry: what ``expand`` hands itself from level to level.
     Returns:
-      (DraftTree with N = total_tokens nodes, cache_k, cache_v): the caches hold the frontiers'
-      entries at slots [end, end + (depth - 1) * tree_top_k), scratch that no later read sees
-      (the next writes at ``end`` overwrite them; masks hide slots >= end from every query
-      before its own entry). Handing them on lets XLA update the caches in place instead of
-      copying them every round.
+      (DraftTree with N = total_tokens nodes, the last carry).
     """
     k, depth = tree_cfg.tree_top_k, tree_cfg.depth
     b = root_tokens.shape[0]
-    draft_to_target = vocab.draft_to_target  # [Vd] target id of each draft id
+    as_target = (lambda ids: ids) if to_target is None else (lambda ids: to_target[ids])
     num_cand = tree_cfg.num_candidates
-    tree_slots = max((depth - 1) * k, 1)
-    slots = jnp.arange(cache_v.shape[2])
 
     scores, ids = jax.lax.top_k(root_logp, k)  # [B, k]
-    cand_tokens = [draft_to_target[ids]]
+    cand_tokens = [as_target(ids)]
     cand_scores = [scores]
     cand_parents = [jnp.full((b, k), -1, jnp.int32)]
-    frontier_tokens, frontier_scores = draft_to_target[ids], scores
-    frontier_h = jnp.broadcast_to(root_h[:, None, :], (b, k, root_h.shape[-1]))
+    frontier_tokens, frontier_scores = as_target(ids), scores
+    parent = jnp.zeros((b, k), jnp.int32)
     frontier_cand = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
-    frontier_anc = jnp.zeros((b, k, tree_slots), bool)  # ancestors' tree slots
     offset = k
     for level in range(1, depth):
-        own = (level - 1) * k + jnp.arange(k)  # this frontier's tree slots
-        anc = frontier_anc | (jnp.arange(tree_slots)[None, None, :] == own[None, :, None])
-        rel = slots[None, None, :] - end[:, None, None]  # slot relative to the tree start
-        in_tree = (rel >= 0) & (rel < tree_slots)
-        tree_ok = jnp.take_along_axis(anc, jnp.clip(rel, 0, tree_slots - 1).repeat(k, 1), axis=2)
-        mask = (rel < 0) | (in_tree & tree_ok)  # [B, k, Sd]
-        positions = jnp.broadcast_to((end - 1 + level)[:, None], (b, k))
-        h, logits, cache_k, cache_v = draft_step_cached(
-            params, cfg, weight_rows(embed, frontier_tokens), frontier_h, positions, mask,
-            cache_k, cache_v, end[:, None] + own[None, :])
-        child_logp, child_ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)  # [B,k,k]
+        logp, carry = expand(level, frontier_tokens, parent, carry)
+        child_logp, child_ids = jax.lax.top_k(logp, k)  # [B, k, k]
         child_scores = (frontier_scores[:, :, None] + child_logp).reshape(b, k * k)
-        child_tokens = draft_to_target[child_ids].reshape(b, k * k)
+        child_tokens = as_target(child_ids).reshape(b, k * k)
         cand_tokens.append(child_tokens)
         cand_scores.append(child_scores)
         cand_parents.append(jnp.repeat(frontier_cand, k, axis=1))
@@ -184,8 +163,6 @@ def build_tree(
         parent = best // k
         frontier_tokens = jnp.take_along_axis(child_tokens, best, axis=1)
         frontier_scores = best_scores
-        frontier_h = jnp.take_along_axis(h, parent[:, :, None], axis=1)
-        frontier_anc = jnp.take_along_axis(anc, parent[:, :, None], axis=1)
         frontier_cand = offset + best
         offset += k * k
 
@@ -204,5 +181,62 @@ def build_tree(
     tokens = jnp.concatenate([root_tokens[:, None],
                               jnp.take_along_axis(cand_tokens, chosen, axis=1)], axis=1)
     parents = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], axis=1)
-    tree = tree_from_parents(tokens.astype(jnp.int32), parents.astype(jnp.int32), depth)
+    return tree_from_parents(tokens.astype(jnp.int32), parents.astype(jnp.int32), depth), carry
+
+
+def build_tree(
+    params: Params,
+    cfg: DraftConfig,
+    vocab: VocabMap,
+    embed: jax.Array,
+    tree_cfg: TreeConfig,
+    root_tokens: jax.Array,
+    root_logp: jax.Array,
+    root_h: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    end: jax.Array,
+) -> tuple[DraftTree, jax.Array, jax.Array]:
+    """Grow the draft head's tree for every row (:func:`grow_tree`).
+
+    Args:
+      params, cfg, vocab: the draft head; embed [V, D] the target's embedding table, or its
+        panels [V/16, D, 16] (``eagle3_jax.kernels.matmul.weight_rows``).
+      root_tokens: [B] the token the target produced last (tree index 0).
+      root_logp: [B, Vd] draft log-probabilities for the root's children.
+      root_h: [B, D] the draft's output feature at the context's last index.
+      cache_k [B, K, H, Sd], cache_v [B, K, Sd, H]: draft KV cache; slots [0, end) are the
+        context.
+      end: [B] committed draft context length (the root's draft position is end - 1).
+    Returns:
+      (DraftTree with N = total_tokens nodes, cache_k, cache_v): the caches hold the frontiers'
+      entries at slots [end, end + (depth - 1) * tree_top_k), scratch that no later read sees
+      (the next writes at ``end`` overwrite them; masks hide slots >= end from every query
+      before its own entry). Handing them on lets XLA update the caches in place instead of
+      copying them every round.
+    """
+    k = tree_cfg.tree_top_k
+    b = root_tokens.shape[0]
+    tree_slots = max((tree_cfg.depth - 1) * k, 1)
+    rel = jnp.arange(cache_v.shape[2])[None, None, :] - end[:, None, None]  # slot - tree start
+    in_tree = (rel >= 0) & (rel < tree_slots)
+    at_rel = jnp.clip(rel, 0, tree_slots - 1).repeat(k, 1)
+
+    def expand(level, tokens, parent, carry):
+        """The frontier's draft step: each node sees the context and its ancestors' slots."""
+        h, anc, cache_k, cache_v = carry  # the previous frontier's (the root's at level 1)
+        own = (level - 1) * k + jnp.arange(k)  # this frontier's tree slots
+        h = jnp.take_along_axis(h, parent[:, :, None], axis=1)
+        anc = (jnp.take_along_axis(anc, parent[:, :, None], axis=1)
+               | (jnp.arange(tree_slots)[None, None, :] == own[None, :, None]))
+        mask = (rel < 0) | (in_tree & jnp.take_along_axis(anc, at_rel, axis=2))  # [B, k, Sd]
+        positions = jnp.broadcast_to((end - 1 + level)[:, None], (b, k))
+        h, logits, cache_k, cache_v = draft_step_cached(
+            params, cfg, weight_rows(embed, tokens), h, positions, mask, cache_k, cache_v,
+            end[:, None] + own[None, :])
+        return jax.nn.log_softmax(logits, axis=-1), (h, anc, cache_k, cache_v)
+
+    carry = (root_h[:, None, :], jnp.zeros((b, 1, tree_slots), bool), cache_k, cache_v)
+    tree, (_, _, cache_k, cache_v) = grow_tree(tree_cfg, root_tokens, root_logp,
+                                               vocab.draft_to_target, expand, carry)
     return tree, cache_k, cache_v
