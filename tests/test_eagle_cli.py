@@ -289,6 +289,38 @@ def test_bench_speed_ceiling_is_the_targets_own_chain_at_temperature_0(tmp_path,
     assert code != 0 and len(err) == 1 and "--ceiling" in err[0]
 
 
+def test_bench_speed_resumes_where_a_run_stopped(tmp_path, capsys):
+    """Every conversation's records go to OUT.turns.jsonl as it finishes; ``--resume`` reads
+    back those measured with the same settings (past a line a kill cut short) and decodes only
+    the rest, here a run extended from 1 to 2 prompts a task; other settings are refused in
+    one line."""
+    from eagle3_jax.bench.speed import main as speed_main
+
+    target, head = _bench_target_and_head(tmp_path)
+    out = tmp_path / "speed.json"
+    args = ["--tasks", "mt_bench,gsm8k", "--max-new-tokens", "6", "--draft", str(head),
+            "--out", str(out), "--no-plot", *TREE_ARGS]
+    assert speed_main([*args, "--num-prompts", "1"], load_fn=lambda _: target) == 0
+    first = json.loads(out.read_text())
+    turns = out.with_suffix(".turns.jsonl")
+    turns.write_text(turns.read_text() + '{"task": "gsm8k", "ind')  # killed mid-line
+    capsys.readouterr()
+    assert speed_main([*args, "--num-prompts", "2", "--resume"], load_fn=lambda _: target) == 0
+    # Decoded now: MT-bench's second conversation (2 turns) and GSM8K's second question.
+    assert capsys.readouterr().err.count(" prompt tokens: ") == 3
+    second = json.loads(out.read_text())
+    for task in ("mt_bench", "gsm8k"):
+        before, after = first["tasks"][task]["per_turn"], second["tasks"][task]["per_turn"]
+        assert after[:len(before)] == before and len(after) == 2 * len(before)
+        assert second["tasks"][task]["prompts"] == 2
+        assert second["tasks"][task]["rounds"] == sum(t["rounds"] for t in after)
+    assert len(turns.read_text().splitlines()) == 1 + 4  # the settings, 4 conversations
+    code = speed_main([*args, "--num-prompts", "2", "--resume", "--temperature", "1"],
+                      load_fn=lambda _: target)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "temperature" in err[0] and "--resume" in err[0]
+
+
 def test_bench_speed_times_hf_transformers_beside(tmp_path, capsys, monkeypatch):
     """--hf times HF's greedy generate on every prompt beside ours (here a stand-in model that
     answers with 5 fixed tokens: the plumbing, not the speed) and reports the ratio."""

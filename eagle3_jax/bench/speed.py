@@ -99,59 +99,85 @@ def _hf_generate(model, ids: list[int], max_new_tokens: int, eos: tuple[int, ...
 def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
              repeats: int = 1, warm: set | None = None,
              log: Callable[[str], None] = lambda s: None, hf_model=None,
-             max_new_tokens: int = 0, reuse_prefix: bool = False) -> dict[str, Any]:
+             max_new_tokens: int = 0, reuse_prefix: bool = False,
+             done: dict[int, list[dict]] | None = None,
+             on_conversation: Callable[[int, list[dict]], None] = lambda i, turns: None,
+             ) -> dict[str, Any]:
     """Decode every turn with both decoders (and HF transformers when ``hf_model`` is given),
     interleaved; the task's row of the report. ``reuse_prefix``: each decoder starts a turn
-    from its own caches of the turn before (the prefill runs only the new tokens)."""
-    tok = target.tokenizer
+    from its own caches of the turn before (the prefill runs only the new tokens).
+    ``done``: conversations (by index) whose turns' records an earlier run measured, not
+    decoded again; ``on_conversation(index, records)`` after each (:class:`TurnLog`)."""
     warm = set() if warm is None else warm
+    done = done or {}
+    per_turn: list[dict[str, Any]] = []  # one record per decoded turn, in order
+    for index, conversation in enumerate(conversations):
+        turns = done.get(index)
+        if turns is None:
+            turns = _decode_conversation(conversation, target, decoders, repeats, warm, log,
+                                         hf_model, max_new_tokens, reuse_prefix)
+            on_conversation(index, turns)
+        per_turn.extend(turns)
+    return summarise(per_turn, depth, len(conversations))
+
+
+def _decode_conversation(conversation: list[str], target, decoders: dict, repeats: int,
+                         warm: set, log: Callable[[str], None], hf_model, max_new_tokens: int,
+                         reuse_prefix: bool) -> list[dict[str, Any]]:
+    """One record per turn of ``conversation`` (its user turns; each later turn is asked with
+    the plain decoder's answers before it in context)."""
     from eagle3_jax.decoding.acceptance import mean_accept_length
 
-    per_turn: list[dict[str, Any]] = []  # one record per decoded turn, in order
-    hist = [0] * (depth + 2)
-    # Greedy EAGLE must equal plain decoding; sampled answers differ by design (None).
-    identical = True if decoders["vanilla"].sampling.temperature == 0 else None
-    for conversation in conversations:
-        history: list[dict[str, str]] = []
-        before = {"vanilla": None, "eagle": None}  # each decoder's caches of the turn before
-        for turn, user in enumerate(conversation, 1):
-            history.append({"role": "user", "content": user})
-            ids = tok.apply_chat_template(history, add_generation_prompt=True)
-            plain, t_plain = _timed(decoders["vanilla"], ids, warm, "vanilla", repeats,
-                                    before["vanilla"], reuse_prefix)
-            spec, t_spec = _timed(decoders["eagle"], ids, warm, "eagle", repeats,
-                                  before["eagle"], reuse_prefix)
-            record = {"turn": turn, "prompt_tokens": len(ids),
-                      "new_tokens_vanilla": len(plain.token_ids),
-                      "new_tokens": len(spec.token_ids), "rounds": spec.rounds,
-                      "plain_steps": spec.plain_steps, "resumes": spec.resumes,
-                      "tau": mean_accept_length(spec.accept_hist) if spec.rounds else None,
-                      "seconds_vanilla": t_plain, "seconds_eagle": t_spec}
-            if reuse_prefix:
-                before = {"vanilla": plain.prefix, "eagle": spec.prefix}
-                record["reused_prompt_tokens_eagle"] = spec.reused
-            if hf_model is not None:
-                n, seconds = _hf_generate(hf_model, ids, max_new_tokens, tok.eos_token_ids,
-                                          tok.pad_token_id)
-                record.update(new_tokens_hf=n, seconds_hf=seconds)
-            if identical is not None:
-                identical &= plain.token_ids == spec.token_ids
-            hist = [a + b for a, b in zip(hist, spec.accept_hist)]
-            per_turn.append(record)
-            history.append({"role": "assistant",
-                            "content": tok.decode(plain.token_ids, skip_special_tokens=True)})
-            tau = "-" if record["tau"] is None else f"{record['tau']:.2f}"
-            log(f"  {len(ids)} prompt tokens{f' ({spec.reused} reused)' if reuse_prefix else ''}"
-                f": vanilla {_speed(record, 'vanilla'):.1f} tok/s, eagle "
-                f"{_speed(record, 'eagle'):.1f} tok/s, {spec.rounds} rounds, tau {tau}"
-                + (f", {spec.plain_steps} plain steps, resumed {spec.resumes}x"
-                   if spec.plain_steps else ""))
+    tok = target.tokenizer
+    sampled = decoders["vanilla"].sampling.temperature != 0
+    history: list[dict[str, str]] = []
+    before = {"vanilla": None, "eagle": None}  # each decoder's caches of the turn before
+    records = []
+    for turn, user in enumerate(conversation, 1):
+        history.append({"role": "user", "content": user})
+        ids = tok.apply_chat_template(history, add_generation_prompt=True)
+        plain, t_plain = _timed(decoders["vanilla"], ids, warm, "vanilla", repeats,
+                                before["vanilla"], reuse_prefix)
+        spec, t_spec = _timed(decoders["eagle"], ids, warm, "eagle", repeats,
+                              before["eagle"], reuse_prefix)
+        record = {"turn": turn, "prompt_tokens": len(ids),
+                  "new_tokens_vanilla": len(plain.token_ids),
+                  "new_tokens": len(spec.token_ids), "rounds": spec.rounds,
+                  "plain_steps": spec.plain_steps, "resumes": spec.resumes,
+                  "tau": mean_accept_length(spec.accept_hist) if spec.rounds else None,
+                  "accept_hist": list(spec.accept_hist),
+                  # Greedy EAGLE must equal plain decoding; sampled answers differ by design.
+                  "identical": None if sampled else plain.token_ids == spec.token_ids,
+                  "seconds_vanilla": t_plain, "seconds_eagle": t_spec}
+        if reuse_prefix:
+            before = {"vanilla": plain.prefix, "eagle": spec.prefix}
+            record["reused_prompt_tokens_eagle"] = spec.reused
+        if hf_model is not None:
+            n, seconds = _hf_generate(hf_model, ids, max_new_tokens, tok.eos_token_ids,
+                                      tok.pad_token_id)
+            record.update(new_tokens_hf=n, seconds_hf=seconds)
+        records.append(record)
+        history.append({"role": "assistant",
+                        "content": tok.decode(plain.token_ids, skip_special_tokens=True)})
+        tau = "-" if record["tau"] is None else f"{record['tau']:.2f}"
+        log(f"  {len(ids)} prompt tokens{f' ({spec.reused} reused)' if reuse_prefix else ''}"
+            f": vanilla {_speed(record, 'vanilla'):.1f} tok/s, eagle "
+            f"{_speed(record, 'eagle'):.1f} tok/s, {spec.rounds} rounds, tau {tau}"
+            + (f", {spec.plain_steps} plain steps, resumed {spec.resumes}x"
+               if spec.plain_steps else ""))
+    return records
 
+
+def summarise(per_turn: list[dict[str, Any]], depth: int, prompts: int) -> dict[str, Any]:
+    """A task's row of the report from its turns' records."""
+    from eagle3_jax.decoding.acceptance import mean_accept_length
+
+    hist = [sum(column) for column in zip(*(r["accept_hist"] for r in per_turn))]
     total = max(sum(hist), 1)
     vanilla = statistics.median(_speed(r, "vanilla") for r in per_turn)
     eagle = statistics.median(_speed(r, "eagle") for r in per_turn)
     hf = {}
-    if hf_model is not None:
+    if "seconds_hf" in per_turn[0]:
         hf_speed = statistics.median(_speed(r, "hf") for r in per_turn)
         hf = {"tokens_per_s_hf": hf_speed, "speedup_vs_hf": eagle / hf_speed}
     by_turn = {}  # turn k of every conversation: median EAGLE over median plain tok/s
@@ -160,6 +186,8 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
         by_turn[str(k)] = (statistics.median(_speed(r, "eagle") for r in rows)
                            / max(statistics.median(_speed(r, "vanilla") for r in rows), 1e-9))
     taus = [r["tau"] for r in per_turn if r["tau"] is not None]
+    identical = [r["identical"] for r in per_turn]
+    reused = "reused_prompt_tokens_eagle" in per_turn[0]
     return {
         **hf,
         "tau": mean_accept_length(hist),
@@ -168,16 +196,58 @@ def run_task(conversations: list[list[str]], target, decoders: dict, depth: int,
         "accept_by_depth": [sum(hist[d + 1:]) / total for d in range(1, depth + 1)],
         "tokens_per_s_vanilla": vanilla, "tokens_per_s_eagle": eagle,
         "speedup": eagle / max(vanilla, 1e-9), "speedup_by_turn": by_turn,
-        "identical": identical, "prompts": len(conversations), "turns": len(per_turn),
+        "identical": None if None in identical else all(identical),
+        "prompts": prompts, "turns": len(per_turn),
         "new_tokens": sum(r["new_tokens"] for r in per_turn),
         "rounds": sum(r["rounds"] for r in per_turn), "accept_hist": hist,
         "fell_back": sum(r["plain_steps"] > 0 for r in per_turn),
         "resumed": sum(r.get("resumes", 0) > 0 for r in per_turn),
         **({"prompt_tokens": sum(r["prompt_tokens"] for r in per_turn),
             "reused_prompt_tokens_eagle": sum(r["reused_prompt_tokens_eagle"] for r in per_turn)}
-           if reuse_prefix else {}),
+           if reused else {}),
         "per_turn": per_turn,
     }
+
+
+class TurnLog:
+    """Each conversation's turn records, appended to ``path`` (``OUT.turns.jsonl``; its first
+    line the settings) as the conversation finishes, so a run cut short loses at most the
+    conversation it was in: ``--resume`` reads back what was measured with the same settings
+    and decodes only the rest (also to extend a run to more ``--num-prompts``)."""
+
+    def __init__(self, path: Path, settings: dict, resume: bool,
+                 log: Callable[[str], None] = lambda s: None):
+        self.path = path
+        settings = json.loads(json.dumps(settings))  # as it reads back (tuples as lists)
+        self.done: dict[tuple[str, int], list[dict]] = {}
+        if resume and path.is_file():
+            lines = path.read_text(encoding="utf-8").splitlines()
+            before = json.loads(lines[0])["settings"] if lines else {}
+            if before != settings:
+                differ = sorted(k for k in set(before) | set(settings)
+                                if before.get(k) != settings.get(k))
+                raise UsageError(f"--resume: {path} was measured with other settings "
+                                 f"({', '.join(differ)}); match them or drop --resume to "
+                                 f"start again")
+            for line in lines[1:]:
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:  # the line a kill cut short
+                    break
+                self.done[(entry["task"], entry["index"])] = entry["turns"]
+            log(f"[resume: {len(self.done)} conversations measured before, from {path}]")
+        entries = [{"settings": settings}] + [{"task": t, "index": i, "turns": turns}
+                                              for (t, i), turns in self.done.items()]
+        partial = path.with_name(path.name + ".tmp")
+        partial.write_text("".join(json.dumps(e) + "\n" for e in entries), encoding="utf-8")
+        partial.replace(path)
+
+    def measured(self, task: str) -> dict[int, list[dict]]:
+        return {i: turns for (t, i), turns in self.done.items() if t == task}
+
+    def record(self, task: str, index: int, turns: list[dict]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"task": task, "index": index, "turns": turns}) + "\n")
 
 
 def _speed(record: dict[str, Any], decoder: str) -> float:
@@ -268,6 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target drafts for itself (a draft with q = p, "
                         "eagle3_jax.decoding.ceiling): tau is the most any head can accept "
                         "with this tree and temperature; its times are not a speed-up")
+    p.add_argument("--resume", action="store_true",
+                   help="go on from OUT.turns.jsonl (every conversation's records, written as "
+                        "it finishes): what it holds for the same settings is not decoded "
+                        "again; also extends a run to more --num-prompts")
     p.add_argument("--out", default="bench_speed.json")
     p.add_argument("--no-plot", action="store_true")
     return p
@@ -346,14 +420,25 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
                 "eagle": EagleDecoder(target, sampling, args.max_new_tokens, 0, head=head,
                                       tree=tree, compile_cache=cache, fallback=fallback,
                                       proposer=proposer)}
+    out = Path(args.out)
+    settings = {"target": str(target.source), "draft": description,
+                "tree": [tree.tree_top_k, tree.depth, tree.total_tokens],
+                "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+                "fallback": args.fallback, "resume_window": args.resume_window,
+                "reuse_prefix": args.reuse_prefix, "repeats": args.repeats, "hf": args.hf,
+                "ceiling": args.ceiling}
+    turn_log = TurnLog(out.with_suffix(".turns.jsonl"), settings, args.resume, log)
     log(f"[speed: {target.source} with {description}; tree tree_top_k={tree.tree_top_k} depth="
         f"{tree.depth} total_tokens={tree.total_tokens}]")
     results, warm = {}, set()
     start = time.perf_counter()
     for task in tasks:
-        log(f"[{task}: {len(questions[task])} prompts]")
+        done = turn_log.measured(task)
+        log(f"[{task}: {len(questions[task])} prompts"
+            + (f", {sum(i < args.num_prompts for i in done)} measured before]" if done else "]"))
         results[task] = run_task(questions[task], target, decoders, tree.depth, args.repeats,
-                                 warm, log, hf_model, args.max_new_tokens, args.reuse_prefix)
+                                 warm, log, hf_model, args.max_new_tokens, args.reuse_prefix,
+                                 done, functools.partial(turn_log.record, task))
     mean = {"tau": statistics.mean(r["tau"] for r in results.values()),
             "speedup": statistics.mean(r["speedup"] for r in results.values())}
     if hf_model is not None:
@@ -368,7 +453,6 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "batch_size": 1,
               "temperature": args.temperature, "seconds": round(time.perf_counter() - start, 1),
               "machine": machine_description()}
-    out = Path(args.out)
     report = {"tasks": results, "mean": mean, "config": config}
     write_json(out, report)
     table = report_table(results, mean)
