@@ -24,11 +24,14 @@ what the prefills skipped). Reported per task (reference §5, §7):
     once, ``resumed`` those that then drafted again. ``tau`` and ``accept_by_depth`` stay over
     the rounds that drafted.
 
-``--draft`` defaults to the target's shipped head (``eagle3_jax.draft.shipped``).
+``--draft`` defaults to the target's shipped head (``eagle3_jax.draft.shipped``). With
+``--ceiling`` the target drafts for itself (:mod:`eagle3_jax.decoding.ceiling`): ``tau`` is
+then the most any head can accept with that tree at that temperature (its times mean nothing).
 
 Writes ``--out`` (JSON ``{"tasks": {name: {...}}, "mean": {...}, "config": {...}}``), the
 markdown table next to it (``.md``, also printed) and a plot (``.png``: tau and speed-up per
-task). A random head accepts nothing and is slower than plain decoding; only a trained head
+task). Each conversation's turn records are appended to ``OUT.turns.jsonl`` as it finishes;
+``--resume`` goes on from there (a long run cut short loses one conversation). A random head accepts nothing and is slower than plain decoding; only a trained head
 makes the numbers meaningful.
 """
 
