@@ -31,8 +31,9 @@ then the most any head can accept with that tree at that temperature (its times 
 Writes ``--out`` (JSON ``{"tasks": {name: {...}}, "mean": {...}, "config": {...}}``), the
 markdown table next to it (``.md``, also printed) and a plot (``.png``: tau and speed-up per
 task). Each conversation's turn records are appended to ``OUT.turns.jsonl`` as it finishes;
-``--resume`` goes on from there (a long run cut short loses one conversation). A random head accepts nothing and is slower than plain decoding; only a trained head
-makes the numbers meaningful.
+``--resume`` goes on from there (a long run cut short loses one conversation). A random head
+accepts nothing and is slower than plain decoding; only a trained head makes the numbers
+meaningful.
 """
 
 from __future__ import annotations
