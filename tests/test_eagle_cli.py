@@ -314,11 +314,17 @@ def test_bench_speed_resumes_where_a_run_stopped(tmp_path, capsys):
         assert after[:len(before)] == before and len(after) == 2 * len(before)
         assert second["tasks"][task]["prompts"] == 2
         assert second["tasks"][task]["rounds"] == sum(t["rounds"] for t in after)
+    assert second["config"]["conversations_resumed"] == 2
     assert len(turns.read_text().splitlines()) == 1 + 4  # the settings, 4 conversations
     code = speed_main([*args, "--num-prompts", "2", "--resume", "--temperature", "1"],
                       load_fn=lambda _: target)
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1 and "temperature" in err[0] and "--resume" in err[0]
+    # Without --resume a run starts afresh, and the records it replaces are kept once.
+    kept = turns.read_text()
+    assert speed_main([*args, "--num-prompts", "1"], load_fn=lambda _: target) == 0
+    assert turns.with_name(turns.name + ".old").read_text() == kept
+    assert len(turns.read_text().splitlines()) == 1 + 2
 
 
 def test_bench_speed_times_hf_transformers_beside(tmp_path, capsys, monkeypatch):

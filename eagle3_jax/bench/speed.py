@@ -31,7 +31,8 @@ then the most any head can accept with that tree at that temperature (its times 
 Writes ``--out`` (JSON ``{"tasks": {name: {...}}, "mean": {...}, "config": {...}}``), the
 markdown table next to it (``.md``, also printed) and a plot (``.png``: tau and speed-up per
 task). Each conversation's turn records are appended to ``OUT.turns.jsonl`` as it finishes;
-``--resume`` goes on from there (a long run cut short loses one conversation). A random head
+``--resume`` goes on from there (a long run cut short loses one conversation); a run without
+it keeps the file it replaces as ``OUT.turns.jsonl.old``. A random head
 accepts nothing and is slower than plain decoding; only a trained head makes the numbers
 meaningful.
 """
@@ -217,13 +218,16 @@ class TurnLog:
     """Each conversation's turn records, appended to ``path`` (``OUT.turns.jsonl``; its first
     line the settings) as the conversation finishes, so a run cut short loses at most the
     conversation it was in: ``--resume`` reads back what was measured with the same settings
-    and decodes only the rest (also to extend a run to more ``--num-prompts``)."""
+    and decodes only the rest (also to extend a run to more ``--num-prompts``). Without it,
+    an earlier file is kept as ``OUT.turns.jsonl.old``."""
 
     def __init__(self, path: Path, settings: dict, resume: bool,
                  log: Callable[[str], None] = lambda s: None):
         self.path = path
         settings = json.loads(json.dumps(settings))  # as it reads back (tuples as lists)
         self.done: dict[tuple[str, int], list[dict]] = {}
+        if not resume and path.is_file():  # one earlier run's records survive a repeat
+            path.replace(path.with_name(path.name + ".old"))
         if resume and path.is_file():
             lines = path.read_text(encoding="utf-8").splitlines()
             before = json.loads(lines[0])["settings"] if lines else {}
@@ -404,7 +408,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
         from eagle3_jax.bench.forward import load_hf_reference
 
         hf_model = load_hf_reference(Path(str(target.weights)))
-    fallback = None
+    fallback = window = None
     if args.fallback:
         from eagle3_jax.decoding.autotune import fallback_for
         from eagle3_jax.decoding.eagle import RESUME_WINDOW
@@ -426,9 +430,10 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
                                       proposer=proposer)}
     out = Path(args.out)
     settings = {"target": str(target.source), "draft": description,
-                "tree": [tree.tree_top_k, tree.depth, tree.total_tokens],
+                "tree": {"tree_top_k": tree.tree_top_k, "depth": tree.depth,
+                         "total_tokens": tree.total_tokens},
                 "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-                "fallback": args.fallback, "resume_window": args.resume_window,
+                "fallback": args.fallback, "resume_window": window,
                 "reuse_prefix": args.reuse_prefix, "repeats": args.repeats, "hf": args.hf,
                 "ceiling": args.ceiling}
     turn_log = TurnLog(out.with_suffix(".turns.jsonl"), settings, args.resume, log)
@@ -447,16 +452,10 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
             "speedup": statistics.mean(r["speedup"] for r in results.values())}
     if hf_model is not None:
         mean["speedup_vs_hf"] = statistics.mean(r["speedup_vs_hf"] for r in results.values())
-    config = {"target": str(target.source), "draft": description,
-              "tree": {"tree_top_k": tree.tree_top_k, "depth": tree.depth,
-                       "total_tokens": tree.total_tokens},
-              "total_tokens_auto": total_tokens == "auto", "fallback": args.fallback,
-              "resume_window": window if args.fallback else None,
-              "reuse_prefix": args.reuse_prefix, "ceiling": args.ceiling,
-              "num_prompts": args.num_prompts,
-              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "batch_size": 1,
-              "temperature": args.temperature, "seconds": round(time.perf_counter() - start, 1),
-              "machine": machine_description()}
+    config = {**settings, "total_tokens_auto": total_tokens == "auto",
+              "num_prompts": args.num_prompts, "batch_size": 1,
+              "seconds": round(time.perf_counter() - start, 1),  # this run's, not the resumed
+              "conversations_resumed": len(turn_log.done), "machine": machine_description()}
     report = {"tasks": results, "mean": mean, "config": config}
     write_json(out, report)
     table = report_table(results, mean)
