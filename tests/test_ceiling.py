@@ -12,12 +12,7 @@ from eagle3_jax.decoding import driver
 from eagle3_jax.decoding import eagle as eagle_mod
 from eagle3_jax.decoding.ceiling import TargetProposer
 from eagle3_jax.model.target import forward
-from test_eagle import TREES, _prompts, make_models
-
-
-@pytest.fixture(scope="module")
-def models():
-    return make_models()
+from test_eagle import TREES, _prompts, models  # noqa: F401  (models: the fixture)
 
 
 @pytest.mark.parametrize("tree", ["wide", "deep"])

@@ -725,17 +725,12 @@ def test_sampling_after_a_fallback_is_lossless(tiny_vocab_models):
     """Round 1 drafts, then every step is plain: three sampled tokens (the prefill's, the
     round's, and a plain step's where the round accepted nothing) follow the exact joint."""
     cfg, params, head = tiny_vocab_models
-    sampling = SAMPLERS[0]
-    prompt = jnp.asarray([1, 5, 2, 7, 3], jnp.int32)
-    samples = 8000
-    out = generate_eagle(params, cfg, head, jnp.broadcast_to(prompt, (samples, 5)),
-                         jnp.full((samples,), 5, jnp.int32), max_new_tokens=3,
-                         tree=TreeConfig(tree_top_k=3, depth=2, total_tokens=6),
-                         sampling=sampling, key=jax.random.key(1),
-                         fallback=eagle_mod.Fallback(50.0, probe_rounds=1))
-    assert (np.asarray(out.num_generated) == 3).all()
+    prompt, samples = [1, 5, 2, 7, 3], 8000
+    out = _sampled_after_fallback(cfg, params, head, prompt, samples, 3,
+                                  TreeConfig(tree_top_k=3, depth=2, total_tokens=6),
+                                  eagle_mod.Fallback(50.0, probe_rounds=1), seed=1)
     assert np.asarray(out.plain_steps).sum() > samples // 4  # the plain step made many t3
-    exact = _exact_joint(params, cfg, prompt, sampling, k=3)
+    exact = _exact_joint(params, cfg, jnp.asarray(prompt, jnp.int32), SAMPLERS[0], k=3)
     assert _chi_square_pvalue(np.asarray(out.tokens), exact) > 1e-3
 
 
@@ -744,19 +739,26 @@ def test_sampling_after_a_resume_is_lossless():
     round 1 accepted nothing, the fifth token is the resumed round's. Five sampled tokens
     follow the exact joint (vocabulary 4: 1,024 cells)."""
     cfg, params, head = make_models(vocab=4, draft_vocab=4, seed=4, scale=0.5)
-    sampling = SAMPLERS[0]
-    prompt = jnp.asarray([1, 3, 2, 0, 3], jnp.int32)
-    samples = 16000
-    out = generate_eagle(params, cfg, head, jnp.broadcast_to(prompt, (samples, 5)),
-                         jnp.full((samples,), 5, jnp.int32), max_new_tokens=5,
-                         tree=TreeConfig(tree_top_k=2, depth=2, total_tokens=5),
-                         sampling=sampling, key=jax.random.key(2),
-                         fallback=_Flapping(50.0, probe_rounds=1, resume_window=2))
-    assert (np.asarray(out.num_generated) == 5).all()
+    prompt, samples = [1, 3, 2, 0, 3], 16000
+    out = _sampled_after_fallback(cfg, params, head, prompt, samples, 5,
+                                  TreeConfig(tree_top_k=2, depth=2, total_tokens=5),
+                                  _Flapping(50.0, probe_rounds=1, resume_window=2), seed=2)
     resumed = (np.asarray(out.resumes) > 0) & (np.asarray(out.rounds) == 2)
     assert resumed.sum() > samples // 4, resumed.sum()  # many fifth tokens came from a resume
-    exact = _exact_joint(params, cfg, prompt, sampling, k=5)
+    exact = _exact_joint(params, cfg, jnp.asarray(prompt, jnp.int32), SAMPLERS[0], k=5)
     assert _chi_square_pvalue(np.asarray(out.tokens), exact) > 1e-3
+
+
+def _sampled_after_fallback(cfg, params, head, prompt, samples, new, tree, fallback, seed):
+    """``samples`` rows of ``prompt``, each sampled ``new`` tokens (SAMPLERS[0]) with
+    ``fallback``: what the two tests above compare with the exact joint."""
+    width = len(prompt)
+    out = generate_eagle(params, cfg, head,
+                         jnp.broadcast_to(jnp.asarray(prompt, jnp.int32), (samples, width)),
+                         jnp.full((samples,), width, jnp.int32), max_new_tokens=new, tree=tree,
+                         sampling=SAMPLERS[0], key=jax.random.key(seed), fallback=fallback)
+    assert (np.asarray(out.num_generated) == new).all()
+    return out
 
 
 def _target(cfg, params):
