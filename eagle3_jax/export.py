@@ -22,7 +22,7 @@ import sys
 from eagle3_jax.errors import run_cli
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eagle3_jax.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True,
@@ -43,7 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", metavar="NAME=JSON", action="append", default=[],
                         help="with --card: a `bench speed` report to include (repeatable)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     def body() -> None:
         from pathlib import Path

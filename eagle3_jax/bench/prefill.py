@@ -74,7 +74,7 @@ def plot(path: str, rows: list[dict]) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eagle3_jax.bench prefill",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=None, help="preset, HF folder or .gguf (default model)")
@@ -85,7 +85,11 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="docs/bench_prefill.json")
     parser.add_argument("--plot", default="docs/bench_prefill.png")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     from eagle3_jax.checkpoints import load_target
     from eagle3_jax.decoding import bucket

@@ -38,7 +38,7 @@ def head_flops_per_token(dcfg, max_len: int) -> float:
     return 3 * (dcfg.ttt_steps * per_step + 2 * 3 * d * d)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eagle3_jax.bench train",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=None, help="preset, HF folder or .gguf (default model)")
@@ -49,7 +49,11 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="docs/bench_train.json")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     from eagle3_jax.checkpoints import load_target
     from eagle3_jax.draft import DraftConfig, VocabMap, init_draft_params

@@ -101,8 +101,8 @@ class CostModel:
 # 1.16 -> 0.80x, 1.30 -> 0.97x (900-step head, 1-token chain), and for the 2954-step head
 # 1.88 -> 1.10x on MT-bench, 0.98x over the five sets, 0.79x on long-prompt summarisation
 # (tree 4/4/8: the round's cost was modelled within 10%, its tau 3.07 against 2.0 measured).
-# A head's live calibration (``accept_scale``, stop 22) takes most of that optimism out; the
-# rest varies by prompt (MT-bench's tau is not summarisation's).
+# A head's live calibration (``accept_scale``, :mod:`eagle3_jax.decoding.calibration`) takes
+# most of that optimism out; the rest varies by prompt (MT-bench's tau is not summarisation's).
 # So the prediction only decides whether drafting is worth a try: the decoder then measures
 # the acceptance on the user's own prompt and gives up where it does not pay
 # (:func:`fallback_for`, :class:`eagle3_jax.decoding.eagle.Fallback`), which bounds a wrong
@@ -114,9 +114,10 @@ MIN_PREDICTED_SPEEDUP = 1.1
 # (:func:`measure_round_costs`, cached like the costs) and the best measured speed-up is kept:
 # the model leaves the round's own work out, and shapes it rates within a few percent of each
 # other swapped places between re-measurements of the cost curve (4/4/8, 1/4/5, 2/3/8, 1/4/5
-# in stops 17-19 on this CPU); :func:`finalists` adds the best tree of half the size, which
-# the model's 8-node finalists crowded out in stop 21 (it measured 0.12x faster), and the best
-# of up to twice the size, which a noisy forward curve left out in stop 30. 1 turns it off.
+# on 2-core AMD EPYCs, 2026-12-04); :func:`finalists` adds the best tree of half the size,
+# which the model's 8-node finalists crowded out on the AVX2-only EPYC on 2026-12-05 (it
+# measured 0.12x faster), and the best of up to twice the size, which a noisy forward curve
+# left out on the EPYC with AVX-512 on 2026-12-06. 1 turns it off.
 RANKED_TREES = 3
 
 
@@ -318,10 +319,11 @@ def finalists(costs: CostModel, rates: Sequence[Rate] | None, ranked: int,
     """The trees worth timing as whole rounds: the model's ``ranked`` best shapes, then (when
     ``ranked`` > 1) the model's best tree of at most half the best one's tokens and its best of
     more than the best one's tokens and at most twice them, where not among them already. The
-    model's best few are often one size (8 nodes, within 2% of each other, in stop 21), a small
-    tree's fixed costs are where the model errs most, and a slow spell in the forward curve it
-    reads moves its pick a size: stop 30's curve (5 interleaved repeats, now 9) had 8 tokens
-    3.7 ms dearer than 4 where 8 measure 1-2 ms cheaper, and every finalist had 4 nodes.
+    model's best few are often one size (8 nodes, within 2% of each other, on a 2-core AVX2-only
+    AMD EPYC, 2026-12-05), a small tree's fixed costs are where the model errs most, and a slow
+    spell in the forward curve it reads moves its pick a size: a curve of 5 interleaved repeats
+    (now 9) on a 2-core AMD EPYC with AVX-512 (2026-12-06) had 8 tokens 3.7 ms dearer than 4
+    where 8 measure 1-2 ms cheaper, and every finalist had 4 nodes.
     ``kwargs``: :func:`select_trees`'."""
     choices = select_trees(costs, rates, ranked, **kwargs)
     best = choices[0].tree.total_tokens

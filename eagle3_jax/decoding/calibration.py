@@ -10,19 +10,19 @@ than those rates say, for reasons the rates cannot show:
 * a round starts right after the draft missed more often than at a random position (a hit
   moves the next round past the easy token), so the first drafts of a round are harder than
   the average position; a simulation of chain rounds on the teacher-forced per-position hits
-  reproduces the live count of accepted drafts (stop 22);
+  reproduces the live count of accepted drafts (measured 2026-12-05);
 * positions whose target token lies outside the draft vocabulary are not scored.
 
 They act as a factor on a tree's extra tokens that shrinks with the draft level: one pooled
 factor (``scale = sum(live tau - 1) / sum(modelled tau - 1)``, :func:`accept_scale`) was 0.64
-for one draft token and 0.52 for the 16-node tree of depth 6 (the shipped head, stop 22; 0.544
-pooled), and it rated deep trees too high: on MT-bench (stop 29) tree 2/5/8 was modelled at tau
-2.18 and measured 2.13, 2/3/8 modelled 2.02 and measured 2.06, so the chooser preferred the
-deeper, dearer tree. So the chooser credits a node at draft level l (0: the root's children)
-with ``scale * decay**l`` of its modelled acceptance (:func:`fit_live_scale`: least squares over
-the calibration trees; decay 1 is the pooled factor): for the shipped head scale 0.62, decay
-0.86, which gives those MT-bench trees 2.14 and 2.05 and the four calibration trees' live tau
-within 0.02 (the pooled factor: within 0.09).
+for one draft token and 0.52 for the 16-node tree of depth 6 (the shipped head, 2026-12-05;
+0.544 pooled), and it rated deep trees too high: on MT-bench (a 2-core AMD EPYC with AVX-512,
+2026-12-06) tree 2/5/8 was modelled at tau 2.18 and measured 2.13, 2/3/8 modelled 2.02 and
+measured 2.06, so the chooser preferred the deeper, dearer tree. So the chooser credits a node
+at draft level l (0: the root's children) with ``scale * decay**l`` of its modelled acceptance
+(:func:`fit_live_scale`: least squares over the calibration trees; decay 1 is the pooled
+factor): for the shipped head scale 0.62, decay 0.86, which gives those MT-bench trees 2.14 and
+2.05 and the four calibration trees' live tau within 0.02 (the pooled factor: within 0.09).
 
 Both are measured by decoding held-out chat prompts (ShareGPT first user turns the head was not
 trained on, never the evaluation sets) with a few trees; ``python -m eagle3_jax.bench

@@ -29,9 +29,9 @@ its draft entry (the root's taps, the token it emitted); every ``resume_window``
 draft reads them in one forward (``_catch_up``), scoring its top-1 against the tokens the
 target emitted, and where that hit rate says drafting pays again (:meth:`Fallback.resumes`)
 the rounds resume with a new probe. Answers get easier to draft as they go (an answer's first
-128 tokens drafted at 0.64 top-1, the next 128 at 0.89, stop 22), so a give-up is not for
-good. The output stays exactly the target's throughout (greedy: identical to plain decoding;
-sampled: the target's distribution).
+128 tokens drafted at 0.64 top-1, the next 128 at 0.89: the shipped head, 2026-12-05), so a
+give-up is not for good. The output stays exactly the target's throughout (greedy: identical to
+plain decoding; sampled: the target's distribution).
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ from eagle3_jax.model.target import KVCache, causal_mask, prefill
 PROBE_ROUNDS = 8  # the fallback's first check (tokens per round are noisy before that)
 # The fallback gives up only where the tokens per round so far, plus this many of their standard
 # errors, are below break-even. With 0 the demo's prompt gave up after 8 rounds at 1.25 tokens a
-# round against a break-even of 1.29 (stop 22): within one standard error (0.15) of it.
+# round against a break-even of 1.29 (a 2-core AVX2-only AMD EPYC, 2026-12-05): within one
+# standard error (0.15) of it.
 FALLBACK_STANDARD_ERRORS = 1.0
 # After giving up, the draft reads the plain steps' taps every this many steps (one catch-up
 # forward, its output at every entry) and drafting resumes where its top-1 would have paid.

@@ -16,7 +16,7 @@ import sys
 from eagle3_jax.errors import run_cli
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eagle3_jax.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="train config YAML (configs/train-*.yaml)")
@@ -33,7 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of user errors (config, paths, checkpoints) too")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return run_cli(lambda: _run(args), debug=args.debug)
 
