@@ -22,10 +22,23 @@ export EAGLE3_JAX_HOME ?= $(HOME)/.cache/eagle3_jax
 $(STAMP): pyproject.toml constraints.txt setup.py $(wildcard eagle3_jax/kernels/cpu/*.cc eagle3_jax/kernels/cpu/*.h)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	@# The build's requirements first, then the package built against them (no isolation): the
+	@# CPU kernels compile against the venv's own jaxlib's XLA FFI headers.
+	$(PY) -m pip install -q -c constraints.txt setuptools jaxlib
+	$(PY) -m pip install -q -c constraints.txt --no-build-isolation -e '.[test]'
 	@touch $@
 
-setup: $(STAMP)
+# libtpu (what `jax[tpu]` adds) in a folder of its own, <venv>/libtpu, not the venv's
+# site-packages: `python -m eagle3_jax.plan` finds it there and compiles for TPU topologies with
+# it; in site-packages every JAX process would probe for a TPU first.
+# The version jax[tpu]==0.10.2 pins.
+LIBTPU := libtpu==0.0.42.1
+LIBTPU_SITE := $(VENV)/libtpu
+$(LIBTPU_SITE)/.stamp: $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(LIBTPU_SITE) "$(LIBTPU)"
+	@touch $@
+
+setup: $(STAMP) $(LIBTPU_SITE)/.stamp
 
 model: $(STAMP)
 	$(PY) -m eagle3_jax.checkpoints.default_model
@@ -46,16 +59,6 @@ head: model
 # (pytest-dev/pytest-xdist#1378), which CI sees only as a time-out.
 PYTEST_WORKERS ?= auto
 PYTEST_ARGS := -q -n $(PYTEST_WORKERS) --dist loadfile --max-worker-restart=0
-
-# libtpu (what `jax[tpu]` adds) in a folder of its own, not the venv: `python -m eagle3_jax.plan`
-# compiles for TPU topologies with it (tests/test_plan.py); in the venv every JAX process would
-# probe for a TPU first.
-# The version jax[tpu]==0.10.2 pins.
-LIBTPU := libtpu==0.0.42.1
-LIBTPU_SITE := $(VENV)/libtpu
-$(LIBTPU_SITE)/.stamp: $(STAMP)
-	$(PY) -m pip install -q --no-deps --target $(LIBTPU_SITE) "$(LIBTPU)"
-	@touch $@
 
 test: model $(LIBTPU_SITE)/.stamp
 	EAGLE3_JAX_LIBTPU_SITE=$(abspath $(LIBTPU_SITE)) XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest $(PYTEST_ARGS) tests

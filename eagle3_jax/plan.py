@@ -4,8 +4,11 @@
 Checks, on this host and before any TPU is rented, whether a training config fits a Cloud TPU
 slice: the jitted training step (or, with ``--decode``, the target's verification forward of a
 draft tree over a full KV cache) is compiled ahead of time for the topology through libtpu
-(``jax.experimental.topologies``; ``pip install 'jax[tpu]'`` puts libtpu beside jax, no TPU
-needed) and XLA's memory analysis gives the HBM one chip needs. Without libtpu it says so and
+(``jax.experimental.topologies``; no TPU needed) and XLA's memory analysis gives the HBM one
+chip needs. libtpu is looked for in ``$EAGLE3_JAX_LIBTPU_SITE`` when that is set (a folder
+holding the ``libtpu`` package; empty: none), else in ``<venv>/libtpu``, where ``make setup``
+installs it (a folder of its own: in the venv's site-packages every JAX process would probe
+for a TPU first), else beside jax (``pip install 'jax[tpu]'``). Without libtpu it says so and
 prints the analytic estimate of ``eagle3_jax.sharding.tpu.mesh_plan`` instead.
 
 ``--json`` prints one object: fits, hbm_per_chip_bytes, hbm_capacity_bytes, flops (the step's
@@ -20,7 +23,9 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from eagle3_jax.errors import run_cli
@@ -42,9 +47,32 @@ def aot_topology_name(topology) -> str:
     return f"{topology.chip.aot_name}:{grids[topology.chips]}"
 
 
+LIBTPU_SITE_ENV = "EAGLE3_JAX_LIBTPU_SITE"
+
+
+def libtpu_site() -> Path | None:
+    """The folder holding the ``libtpu`` package for compiled plans: ``$EAGLE3_JAX_LIBTPU_SITE``
+    when set (empty: none), else ``<sys.prefix>/libtpu`` (``make setup`` installs it there)
+    where it holds the package, else None (libtpu may still sit beside jax)."""
+    if LIBTPU_SITE_ENV in os.environ:
+        value = os.environ[LIBTPU_SITE_ENV]
+        return Path(value) if value else None
+    default = Path(sys.prefix) / "libtpu"
+    return default if (default / "libtpu").is_dir() else None
+
+
 def tpu_devices(topology) -> list:
-    """The abstract devices of ``topology`` (raises if libtpu is unavailable)."""
+    """The abstract devices of ``topology``, compiled for through libtpu from
+    :func:`libtpu_site` (raises if libtpu is unavailable)."""
+    import jax
     from jax.experimental import topologies
+
+    site = libtpu_site()
+    if site is not None and str(site) not in sys.path:
+        # JAX's backends start first, without libtpu on the path: this process compiles for the
+        # topology but runs on the CPU, so it must not probe for a TPU.
+        jax.devices()
+        sys.path.insert(0, str(site))
 
     desc = topologies.get_topology_desc(platform="tpu", topology_name=aot_topology_name(topology))
     return list(desc.devices)
@@ -188,7 +216,7 @@ def plan(cfg, topology_name: str, *, decode: bool = False, decode_batch: int = 1
         devices = tpu_devices(topology)
     except Exception as e:  # no libtpu, or it cannot describe this topology
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        hint = ("; install libtpu (pip install 'jax[tpu]') for XLA's own figure"
+        hint = ("; install libtpu (make setup puts it in <venv>/libtpu) for XLA's own figure"
                 if "TPU support" in reason or "libtpu" in reason else "")
         out.update(method="analytic", note=f"not compiled ({reason}){hint}; the analytic "
                    "estimate leaves out XLA's temporaries, which can be several times larger",
@@ -255,7 +283,7 @@ def describe(p: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eagle3_jax.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="training config (shipped name or YAML)")
@@ -268,7 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     result: dict = {}
 
     def body() -> None:

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from eagle3_jax.bench.__main__ import main
+from test_eagle_cli import steady_costs  # noqa: F401 (the tree chooser's timings, fixed)
 
 
 def test_bench_forward_writes_curve_and_floor(smollm2_gguf_path, tmp_path):
@@ -146,3 +147,42 @@ def test_head_flop_count_matches_xla_cost_analysis():
 def test_unknown_command_is_refused(capsys):
     assert main(["nope"]) == 2
     assert "usage" in capsys.readouterr().err
+
+
+def test_bench_speed_measures_the_decoders_defaults(tmp_path, capsys, steady_costs):
+    """Without tree flags `bench speed` measures what the decoder does by default: the tree the
+    decoder's chooser picks for that prompt, with the fallback (a tiny random target and head,
+    the chooser's timings fixed; the head accepts too little, so the long answer gives up
+    drafting)."""
+    import types
+
+    import jax
+
+    from eagle3_jax.bench.speed import load_questions, main as speed_main
+    from eagle3_jax.cli.decode import autotune
+    from eagle3_jax.decoding.eagle import RESUME_WINDOW
+    from eagle3_jax.draft.export import export_draft_head
+    from eagle3_jax.draft.load import load_head
+    from eagle3_jax.model.config import TargetConfig
+    from eagle3_jax.model.params import init_params, to_serving
+    from test_eagle_cli import TINY, ByteTokenizer, random_head
+
+    cfg = TargetConfig(**{**TINY.to_dict(), "max_position_embeddings": 1024})
+    target = types.SimpleNamespace(cfg=cfg, params=to_serving(
+        init_params(cfg, jax.random.key(3), scale=0.3), cfg), tokenizer=ByteTokenizer(),
+        source="tiny-random")
+    head = export_draft_head(random_head(cfg, 200, seed=4), tmp_path / "head")
+    out = tmp_path / "speed.json"
+    assert speed_main(["--tasks", "gsm8k", "--num-prompts", "1", "--max-new-tokens", "40",
+                       "--draft", str(head), "--out", str(out), "--no-plot"],
+                      load_fn=lambda _: target) == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    config = result["config"]
+    assert config["total_tokens_auto"] and config["decoder_would_draft"]
+    assert config["fallback"] is True and config["resume_window"] == RESUME_WINDOW
+    prompt = ByteTokenizer().apply_chat_template(
+        [{"role": "user", "content": load_questions("gsm8k", 1)[0][0]}])
+    chosen = autotune(target, load_head(head, cfg).serving(), len(prompt), None, None, None).tree
+    assert config["tree"] == {"tree_top_k": chosen.tree_top_k, "depth": chosen.depth,
+                              "total_tokens": chosen.total_tokens}
+    assert result["tasks"]["gsm8k"]["fell_back"] == 1

@@ -7,6 +7,7 @@ streamed text includes split and invalid UTF-8; one test runs the real default m
 from __future__ import annotations
 
 import json
+import re
 import types
 
 import jax
@@ -86,14 +87,31 @@ def test_json_lines_per_turn_with_history(tiny, capsys, tmp_path):
     assert all("reused_prompt_tokens" not in r for r in records if r["turn"] == 0)
 
 
+PLAIN_SUMMARY = re.compile(r"vanilla: (\d+\.\d) tokens/s")
+
+
 def test_streamed_text_equals_json_text(tiny, capsys):
-    code, out_json, _ = run(tiny, capsys, "--prompt", "stream me", "--json",
-                            "--max-new-tokens", "24")
+    """Streamed or as JSON, the answer is the same; either way stderr holds one summary line
+    (the JSON's speed), and --verbose adds the diagnostics: the load, the prompt, the
+    answer's timings."""
+    code, out_json, err = run(tiny, capsys, "--prompt", "stream me", "--json",
+                              "--max-new-tokens", "24")
     assert code == 0
+    record = json.loads(out_json)
+    (summary,) = err.splitlines()
+    speed = PLAIN_SUMMARY.fullmatch(summary)
+    assert speed and float(speed[1]) == pytest.approx(record["tokens_per_s"], abs=0.06)
     code, out_text, err = run(tiny, capsys, "--prompt", "stream me", "--max-new-tokens", "24")
     assert code == 0
-    assert out_text == json.loads(out_json)["text"] + "\n"
-    assert "> stream me" in err and "tokens/s" in err
+    assert out_text == record["text"] + "\n"
+    (summary,) = err.splitlines()
+    assert PLAIN_SUMMARY.fullmatch(summary), err
+    code, out_verbose, err = run(tiny, capsys, "--prompt", "stream me", "--max-new-tokens",
+                                 "24", "--verbose")
+    assert code == 0 and out_verbose == out_text
+    lines = err.splitlines()
+    assert lines[0].startswith("[loaded tiny-random") and "> stream me" in lines
+    assert f"[{record['new_tokens']} tokens in " in err and PLAIN_SUMMARY.fullmatch(lines[-1])
 
 
 def test_sampling_is_seeded(tiny, capsys):
@@ -159,10 +177,11 @@ def test_chat_keeps_history_until_end_of_input(tiny, capsys, monkeypatch):
     import io
 
     monkeypatch.setattr("sys.stdin", io.StringIO("first\n\nsecond\n"))
-    code, out, err = run(tiny, capsys, "--chat", "--max-new-tokens", "6")
+    code, out, err = run(tiny, capsys, "--chat", "--max-new-tokens", "6", "--verbose")
     assert code == 0, err
     answers = out.splitlines()
     assert len(answers) == 2 and err.count("tokens in") == 2
+    assert PLAIN_SUMMARY.fullmatch(err.splitlines()[-1])  # on leaving
     # The second turn's prefill started from the first turn's caches.
     assert err.count("prompt tokens from the turn before") == 1
     # The second turn is asked with the first turn and its answer as history.
@@ -175,7 +194,8 @@ def test_chat_keeps_history_until_end_of_input(tiny, capsys, monkeypatch):
     (("--chat", "--json"), "--chat streams its answers"),
     (("--mode", "eagle", "--draft", "/nonexistent/head"), "draft head '/nonexistent/head' does not exist"),
     (("--depth", "3"), "--depth only apply to --mode eagle"),
-    (("--draft", "/x", "--force-eagle"), "--force-eagle only applies to --total-tokens auto"),
+    (("--draft", "/x", "--depth", "3", "--force-eagle"),
+     "--force-eagle only applies to the auto tree"),
 ])
 def test_bad_flags_fail_before_the_model_loads(capsys, argv, message):
     def must_not_load(target):

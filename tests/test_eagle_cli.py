@@ -10,6 +10,7 @@ time, so the CLI tests share one tree shape, one prompt set and one batch size.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import types
 
@@ -107,10 +108,12 @@ def test_compare_reports_both_speeds(smollm2, smollm2_head_dir, prompts_file, ca
                          "--max-new-tokens", "24", "--batch-size", "2", "--draft",
                          str(smollm2_head_dir), *TREE_ARGS)
     assert code == 0, err
-    summary = out.splitlines()[-1]
-    assert summary.startswith("compare: vanilla ") and "speed-up" in summary
-    assert "identical texts 2/2" in summary
-    assert err.count("identical: yes") == 2
+    # Each answer after its prompt, then one summary line; no diagnostics without --verbose.
+    lines = err.splitlines()
+    assert lines[:-1] == [f"> {p}" for p in PROMPTS]
+    assert lines[-1].startswith("eagle (tree: top-k 2, depth 3, 8 tokens): tau ")
+    assert "tokens/s; plain " in lines[-1] and lines[-1].endswith("x, outputs identical")
+    assert "compare:" not in out
 
 
 @pytest.mark.slow
@@ -185,7 +188,11 @@ def test_streamed_eagle_text_equals_vanilla(tiny, capsys):
     code, spec, err = run(target, capsys, "--prompt", "stream me", "--max-new-tokens", "20",
                           "--draft", head, "--tree-top-k", "2", "--depth", "2")
     assert code == 0, err
-    assert spec == plain and "rounds, mean accept length" in err
+    assert spec == plain
+    # The tree the flags give (every candidate of the shape: 2 + 4 + the root), no fallback.
+    (summary,) = err.splitlines()
+    assert re.fullmatch(r"eagle \(tree: top-k 2, depth 2, 7 tokens\): tau \d\.\d\d, "
+                        r"\d+\.\d tokens/s", summary), summary
 
 
 class NoEosTokenizer(ByteTokenizer):
@@ -261,6 +268,7 @@ def test_bench_speed_json(tmp_path, capsys):
     assert result["tasks"]["gsm8k"]["reused_prompt_tokens_eagle"] == 0
     assert result["config"]["reuse_prefix"] is True
     assert result["config"]["tree"] == {"tree_top_k": 2, "depth": 3, "total_tokens": 8}
+    assert result["config"]["fallback"] is False  # a fixed tree: as the decoder, no fallback
     assert "| mt_bench |" in captured.out
     assert out.with_suffix(".md").is_file() and out.with_suffix(".png").stat().st_size > 0
 
@@ -397,11 +405,12 @@ def steady_costs(monkeypatch, tmp_path):
 def test_auto_tree_gives_up_drafting_where_it_does_not_pay(tiny, capsys, steady_costs):
     """The chooser believes the head's (claimed) acceptance and drafts; the random head accepts
     almost nothing on the prompt itself, so after the probe rounds the decoder gives up and
-    decodes plainly, with the same text as plain decoding. ``--force-eagle`` drafts to the end."""
+    decodes plainly, with the same text as plain decoding. ``--force-eagle`` drafts to the end.
+    ``--verbose`` shows the chooser's and the fallback's diagnostics."""
     target, head = tiny
     _, plain, _ = run(target, capsys, "--prompt", "give up", "--max-new-tokens", "40")
     auto = ("--prompt", "give up", "--max-new-tokens", "40", "--draft", head, "--total-tokens",
-            "auto", "--accept-rates", ",".join(["0.95"] * 8))
+            "auto", "--accept-rates", ",".join(["0.95"] * 8), "--verbose")
     code, spec, err = run(target, capsys, *auto)
     assert code == 0, err
     assert spec == plain
@@ -409,9 +418,37 @@ def test_auto_tree_gives_up_drafting_where_it_does_not_pay(tiny, capsys, steady_
     assert steady_costs == {"target": [1], "draft": [1], "round": [1]}
     assert "plain decode steps where drafting did not pay" in err
     assert "8 rounds, mean accept length" in err
+    assert "[autotune (--accept-rates acceptance rates): tree_top_k=" in err
+    assert err.splitlines()[-1].endswith("; gave up drafting where it did not pay on 1/1 "
+                                         "answers")
     code, forced, err = run(target, capsys, *auto, "--force-eagle")
     assert code == 0 and forced == plain, err
     assert "[fallback:" not in err and "plain decode steps" not in err
+
+
+def test_a_draft_without_tree_flags_gets_the_auto_tree_and_the_fallback(tiny, capsys,
+                                                                       steady_costs):
+    """``--draft`` without tree flags decodes as the shipped head does: the tree chosen for
+    this machine, with the fallback. This head was exported with no acceptance record, so the
+    chooser models the default rates and the summary line says so; the fallback then finds
+    the random head's acceptance too low and decodes plainly. Without --verbose, stderr is that
+    one line."""
+    from eagle3_jax.draft.load import load_head
+
+    target, head = tiny
+    assert load_head(head).accept_rates is None
+    _, plain, _ = run(target, capsys, "--prompt", "give up", "--max-new-tokens", "40")
+    code, out, err = run(target, capsys, "--prompt", "give up", "--max-new-tokens", "40",
+                         "--draft", head)
+    assert code == 0, err
+    assert out == plain
+    (summary,) = err.splitlines()
+    assert re.fullmatch(
+        r"eagle \(tree: top-k \d+, depth \d, \d+ tokens, chosen for this machine at the "
+        r"default acceptance rates 0\.6\*0\.9\^d \(the head has no acceptance record\)\): "
+        r"tau \d\.\d\d, \d+\.\d tokens/s; gave up drafting where it did not pay on 1/1 "
+        r"answers", summary), summary
+    assert steady_costs == {"target": [1], "draft": [1], "round": [1]}
 
 
 def test_auto_tree_at_batch_two_measures_that_batch(tiny, tmp_path, capsys, steady_costs):
@@ -423,7 +460,7 @@ def test_auto_tree_at_batch_two_measures_that_batch(tiny, tmp_path, capsys, stea
     common = ("--prompts-file", str(path), "--json", "--max-new-tokens", "40")
     _, plain, _ = run(target, capsys, *common)
     code, out, err = run(target, capsys, *common, "--draft", head, "--total-tokens", "auto",
-                         "--accept-rates", ",".join(["0.95"] * 8))
+                         "--accept-rates", ",".join(["0.95"] * 8), "--verbose")
     assert code == 0, err
     assert "context and 2 rows a round takes 1.5 ms and a plain step 1.0 ms" in err
     assert steady_costs == {"target": [2], "draft": [2], "round": [2]}

@@ -1,6 +1,7 @@
 """``python -m eagle3_jax.plan``: a training step compiled ahead of time for a Cloud TPU
-topology through libtpu (no TPU here), or, without libtpu, an analytic estimate whose sizes are
-those of ``jax.eval_shape``; and launch/train_tpu.sh refusing a plan that does not fit before it
+topology through libtpu (no TPU here; found in ``<venv>/libtpu``, where ``make setup`` puts it,
+or ``$EAGLE3_JAX_LIBTPU_SITE``), or, without libtpu, an analytic estimate whose sizes are those
+of ``jax.eval_shape``; and launch/train_tpu.sh refusing a plan that does not fit before it
 creates anything."""
 
 from __future__ import annotations
@@ -15,22 +16,45 @@ import jax
 import numpy as np
 import pytest
 
+from eagle3_jax import plan
 from eagle3_jax.model.params import init_params
 from eagle3_jax.presets import load_preset
 
 REPO = Path(__file__).resolve().parents[1]
-LIBTPU_SITE = os.environ.get("EAGLE3_JAX_LIBTPU_SITE")
+LIBTPU_SITE = plan.libtpu_site()
+DEFAULT_SITE = Path(sys.prefix) / "libtpu"
 
 
 def _plan(*args, libtpu: bool):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
-    if libtpu:
-        env["PYTHONPATH"] = LIBTPU_SITE
+    """The plan CLI in a fresh process; with ``libtpu`` it finds libtpu by itself (the
+    environment names it only where it is not the venv's own), without it none."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "PYTHONPATH", plan.LIBTPU_SITE_ENV)}
+    if not libtpu:
+        env[plan.LIBTPU_SITE_ENV] = ""
+    elif LIBTPU_SITE != DEFAULT_SITE:
+        env[plan.LIBTPU_SITE_ENV] = str(LIBTPU_SITE)
     return subprocess.run([sys.executable, "-m", "eagle3_jax.plan", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.skipif(not LIBTPU_SITE, reason="EAGLE3_JAX_LIBTPU_SITE unset (make test sets it)")
+def test_libtpu_is_found_in_the_venv_unless_the_environment_names_another(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.delenv(plan.LIBTPU_SITE_ENV, raising=False)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    assert plan.libtpu_site() is None  # no <venv>/libtpu
+    (tmp_path / "libtpu" / "libtpu").mkdir(parents=True)
+    assert plan.libtpu_site() == tmp_path / "libtpu"
+    monkeypatch.setenv(plan.LIBTPU_SITE_ENV, "/elsewhere")
+    assert plan.libtpu_site() == Path("/elsewhere")
+    monkeypatch.setenv(plan.LIBTPU_SITE_ENV, "")
+    assert plan.libtpu_site() is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(LIBTPU_SITE is None,
+                    reason="no libtpu in <venv>/libtpu (make setup installs it) or "
+                           "$EAGLE3_JAX_LIBTPU_SITE")
 def test_compiled_plans_fit_or_refuse():
     out = _plan("--config", "train-smollm2-135m", "--topology", "v5e-8", "batch_size=8",
                 "--json", libtpu=True)
@@ -85,6 +109,7 @@ def test_bad_topology_is_one_line():
 def test_launch_refuses_a_plan_that_does_not_fit_before_creating_anything():
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
     env["PY"] = sys.executable
+    env[plan.LIBTPU_SITE_ENV] = ""  # the analytic plan suffices to be refused
     out = subprocess.run(["bash", str(REPO / "launch" / "train_tpu.sh"), "--dry-run", "--name",
                           "x", "--zone", "z", "--accelerator", "v5e-8", "--", "--config",
                           "train-llama-3.3-70b-instruct", "target=/mnt/llama33"],

@@ -17,12 +17,18 @@ what the prefills skipped). Reported per task (reference §5, §7):
     prompt (interleaved), and ``speedup_vs_hf``;
   * ``identical``: every EAGLE answer equals the plain one token for token (it must, greedy;
     None with ``--temperature`` > 0, where both sample);
-  * with ``--fallback`` (what the decode CLI does with its default ``auto`` tree): EAGLE gives
-    up drafting where the prompt's measured acceptance does not pay for a round here
-    (:class:`eagle3_jax.decoding.eagle.Fallback`) and decodes plainly until the draft's
-    hits say drafting would pay again; ``fell_back`` counts the turns that gave up at least
-    once, ``resumed`` those that then drafted again. ``tau`` and ``accept_by_depth`` stay over
-    the rounds that drafted.
+  * with the fallback: EAGLE gives up drafting where the prompt's measured acceptance does
+    not pay for a round here (:class:`eagle3_jax.decoding.eagle.Fallback`) and decodes plainly
+    until the draft's hits say drafting would pay again; ``fell_back`` counts the turns that
+    gave up at least once, ``resumed`` those that then drafted again. ``tau`` and
+    ``accept_by_depth`` stay over the rounds that drafted.
+
+By default it measures what the decode CLI does by default: the tree chosen for this machine
+(``--total-tokens auto``, :mod:`eagle3_jax.decoding.autotune`) with the fallback. Where the
+chooser predicts no tree to beat plain decoding here (the decoder would then decode plainly)
+it says so and measures the chosen tree anyway (``config.decoder_would_draft``). A tree flag
+(``--depth``, ``--tree-top-k``, ``--total-tokens N``) fixes the tree, without the fallback, as
+the decoder does; ``--fallback`` / ``--no-fallback`` force it on or off.
 
 ``--draft`` defaults to the target's shipped head (``eagle3_jax.draft.shipped``). With
 ``--ceiling`` the target drafts for itself (:mod:`eagle3_jax.decoding.ceiling`): ``tau`` is
@@ -224,6 +230,7 @@ class TurnLog:
     def __init__(self, path: Path, settings: dict, resume: bool,
                  log: Callable[[str], None] = lambda s: None):
         self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
         settings = json.loads(json.dumps(settings))  # as it reads back (tuples as lists)
         self.done: dict[tuple[str, int], list[dict]] = {}
         if not resume and path.is_file():  # one earlier run's records survive a repeat
@@ -321,16 +328,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 = greedy (outputs checked identical); > 0 samples both decoders "
                         "(tau measured; texts differ by design)")
     p.add_argument("--target", default=None, help="preset, HF folder or .gguf (default SmolLM2)")
-    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--depth", type=int, default=None,
+                   help="draft tree levels incl. the root, fixing the tree (default: the auto "
+                        "tree)")
     p.add_argument("--tree-top-k", type=int, default=None,
-                   help="tree children per node (greedy decoding; not a sampling cut-off)")
-    p.add_argument("--total-tokens", default=None, help="a number or 'auto'")
-    p.add_argument("--accept-rates", default=None, metavar="A1,A2,...")
-    p.add_argument("--fallback", action="store_true",
-                   help="give up drafting where the measured acceptance does not pay (the "
-                        "decode CLI's default with its auto tree)")
+                   help="tree children per node, fixing the tree (not a sampling cut-off)")
+    p.add_argument("--total-tokens", default=None,
+                   help="a number (a fixed tree) or 'auto' (the default without tree flags: "
+                        "the tree chosen for this machine, as the decode CLI does)")
+    p.add_argument("--accept-rates", default=None, metavar="A1,A2,...",
+                   help="per-depth acceptance rates the auto tree is modelled from (default: "
+                        "the head's record, else 0.6*0.9^d)")
+    p.add_argument("--fallback", action=argparse.BooleanOptionalAction, default=None,
+                   help="give up drafting where the measured acceptance does not pay (default: "
+                        "on with the auto tree, off with a fixed one, as the decode CLI does)")
     p.add_argument("--resume-window", type=int, default=None, metavar="N",
-                   help="with --fallback: plain steps between the draft's catch-ups, where "
+                   help="with the fallback: plain steps between the draft's catch-ups, where "
                         "drafting resumes if the draft's hits say it pays (default: the "
                         "decode CLI's, eagle.RESUME_WINDOW; 0: a give-up is for good)")
     p.add_argument("--reuse-prefix", action="store_true",
@@ -378,12 +391,17 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
         raise UsageError("--num-prompts must be in 1..80, --max-new-tokens and --repeats >= 1")
     if args.ceiling and (args.fallback or args.hf):
         raise UsageError("--ceiling measures acceptance only; drop --fallback and --hf")
+    total_tokens = parse_total_tokens(args.total_tokens)
+    if total_tokens is None and args.tree_top_k is None and args.depth is None:
+        total_tokens = "auto"  # the decode CLI's default tree
+    if args.fallback is None:  # the decode CLI's: the fallback comes with the auto tree
+        args.fallback = total_tokens == "auto" and not args.ceiling
     if args.resume_window is not None and not args.fallback:
-        raise UsageError("--resume-window applies with --fallback; add it or drop this flag")
+        raise UsageError("--resume-window applies with the fallback (the default with the auto "
+                         "tree, or --fallback); add --fallback or drop this flag")
     if args.resume_window is not None and (args.resume_window < 0 or args.resume_window == 1):
         raise UsageError(f"--resume-window must be 0 (never resume) or >= 2, got "
                          f"{args.resume_window}")
-    total_tokens = parse_total_tokens(args.total_tokens)
     rates = parse_accept_rates(args.accept_rates)
     tree = (None if total_tokens == "auto"
             else resolve_tree(total_tokens, args.tree_top_k, args.depth))
@@ -397,10 +415,15 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
     target = load_fn(args.target)
     loaded = load_head(args.draft, target.cfg).serving()
     head, description = loaded.head, loaded.description
+    would_draft = None  # whether the decoder would draft with the auto tree here
     if tree is None:
         first = target.tokenizer.apply_chat_template(
             [{"role": "user", "content": questions[tasks[0]][0][0]}], add_generation_prompt=True)
-        tree = autotune(target, loaded, len(first), args.tree_top_k, args.depth, rates).tree
+        choice = autotune(target, loaded, len(first), args.tree_top_k, args.depth, rates)
+        tree, would_draft = choice.tree, choice.pays_off
+        if not would_draft:
+            log("[no tree is predicted to beat plain decoding here, so the decode CLI would "
+                "decode plainly; measuring the chosen tree anyway]")
     hf_model = None
     if args.hf:
         if args.temperature != 0:
@@ -453,6 +476,7 @@ def run(args: argparse.Namespace, load_fn: Callable | None) -> dict:
     if hf_model is not None:
         mean["speedup_vs_hf"] = statistics.mean(r["speedup_vs_hf"] for r in results.values())
     config = {**settings, "total_tokens_auto": total_tokens == "auto",
+              "decoder_would_draft": would_draft,
               "num_prompts": args.num_prompts, "batch_size": 1,
               "seconds": round(time.perf_counter() - start, 1),  # this run's, not the resumed
               "conversations_resumed": len(turn_log.done), "machine": machine_description()}

@@ -1,10 +1,11 @@
 """``python -m eagle3_jax.bench startup``: how long the decoder takes from process start to exit.
 
 Each repeat makes a fresh ``$EAGLE3_JAX_HOME`` holding only the default model's GGUF (linked),
-then runs ``python -m eagle3_jax.decode --prompt Hi --max-new-tokens 8`` twice in it: the first
-start builds the tokenizer folder, the serving-weights cache and the compilation cache, the
-second reads them. Reported per start (medians over repeats): wall time, the load time and the
-time to the first token as the decoder logs them. A plot (PNG) shows the medians.
+then runs ``python -m eagle3_jax.decode --prompt Hi --max-new-tokens 8 --verbose`` twice in it:
+the first start builds the tokenizer folder, the serving-weights cache and the compilation
+cache, the second reads them. Reported per start (medians over repeats): wall time, the load
+time and the time to the first token as the decoder logs them (``--verbose``). A plot (PNG)
+shows the medians.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from eagle3_jax.bench.common import machine_description, markdown_table, write_json
 
-COMMAND = ("-m", "eagle3_jax.decode", "--prompt", "Hi", "--max-new-tokens", "8")
+COMMAND = ("-m", "eagle3_jax.decode", "--prompt", "Hi", "--max-new-tokens", "8", "--verbose")
 _LOADED = re.compile(r"\[loaded .* in ([0-9.]+) s\]")
 _FIRST = re.compile(r"first token after ([0-9.]+) s")
 
@@ -77,13 +78,17 @@ def plot(path: Path, medians: dict[str, dict[str, float]]) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eagle3_jax.bench startup", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="bench_startup.json")
     p.add_argument("--no-plot", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     medians = measure(args.repeats, log=lambda m: print(m, file=sys.stderr, flush=True))
     rows = [[f"{name} start", round(m["wall_s"], 2), round(m["load_s"], 2),
              round(m["first_token_s"], 2)] for name, m in medians.items()]

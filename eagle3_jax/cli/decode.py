@@ -10,8 +10,18 @@ an answer before the first occurrence of the string.
 
 Output:
   * default: the answer text streams to stdout as it is generated (one prompt at a time; EAGLE
-    prints each round's tokens as the round completes); the prompt echo and timings go to
-    stderr.
+    prints each round's tokens as the round completes), each after its prompt (``> ...`` on
+    stderr) where there are several; at the end one summary line on stderr
+    (:func:`eagle3_jax.cli.output.summary_line`): the mode and, for EAGLE, its tree (top-k,
+    depth, tokens verified per round) and tau, the tokens/s, with ``--compare`` plain
+    decoding's tokens/s, the speed-up and whether the outputs are identical, e.g.
+    ``eagle (tree: top-k 2, depth 4, 6 tokens, chosen for this machine): tau 1.74, 52.3
+    tokens/s; plain 30.9 tokens/s, speed-up 1.69x, outputs identical``.
+  * ``--verbose``: also the diagnostics on stderr: the target's and head's loading, the tree
+    chooser's timings and choice, the fallback's break-even, compilations, every prompt and
+    every answer's timings (with ``--compare`` a line per turn and the totals). Without it,
+    where stderr is a terminal, they show one at a time on a status line that the first
+    answer clears.
   * ``--json``: one JSON object per line **per turn**, fields ``index`` (prompt line, 0-based),
     ``turn`` (0-based), ``prompt_token_ids`` (the full templated conversation fed to the model),
     ``token_ids`` (generated ids, EOS excluded), ``text``, ``new_tokens``, ``stop`` ("eos";
@@ -27,16 +37,24 @@ Output:
 speculative decoding with ``--draft PATH``: a head in the released format, a folder with
 config.json + model.safetensors, or a training run folder / ``checkpoints/<step>`` folder).
 The default is ``eagle`` when ``--draft`` is given or the target has a shipped head (the
-default SmolLM2 does: :mod:`eagle3_jax.draft.shipped`), whose tree is then ``auto``; else
-``vanilla``. ``--depth`` (levels, the root included), ``--tree-top-k`` and
-``--total-tokens`` (nodes verified per round, the root included; a number or ``auto``, see
-:mod:`eagle3_jax.decoding.autotune`) shape the draft tree; ``--tree-top-k`` is not
-``--top-k``, which stays the sampling cut-off. With ``auto``, when no tree is predicted to beat
-plain decoding here, it decodes plainly and says so; when one is, the decoder measures the
-acceptance on the prompt itself and gives up drafting where a round emits fewer tokens than it
-costs in decode steps, and resumes where the draft's hits on the plain steps' tokens say it
-would pay again (:class:`eagle3_jax.decoding.eagle.Fallback`).
-``--force-eagle`` drafts throughout.
+default SmolLM2 does: :mod:`eagle3_jax.draft.shipped`), else ``vanilla``.
+
+The tree: ``--depth`` (levels, the root included), ``--tree-top-k`` and ``--total-tokens``
+(nodes verified per round, the root included; a number or ``auto``) shape it; ``--tree-top-k``
+is not ``--top-k``, which stays the sampling cut-off. Without any of the three, whichever head
+drafts (shipped or ``--draft``), the tree is ``auto``: the one measured fastest on this machine
+(:mod:`eagle3_jax.decoding.autotune`), modelled from ``--accept-rates`` where given, else from
+the head's acceptance record (``acceptance.json`` beside a released-format head, or a training
+run's eval records), else, where the head has no record, from the default profile 0.6*0.9^d,
+which the summary line then says (the fallback below measures what the head really accepts on
+the prompt). With ``auto``, when no tree is predicted to beat plain decoding here, it decodes
+plainly and says so; when one is, the decoder measures the acceptance on the prompt itself and
+gives up drafting where a round emits fewer tokens than it costs in decode steps, and resumes
+where the draft's hits on the plain steps' tokens say it would pay again (the fallback,
+:class:`eagle3_jax.decoding.eagle.Fallback`). ``--force-eagle`` drafts throughout. A tree flag
+fixes the tree as given (only ``--depth`` / ``--tree-top-k``: every candidate the shape
+proposes, up to 16 nodes), without the fallback.
+
 ``--compare`` decodes every prompt with both modes and reports both speeds, the speed-up and
 whether the texts are identical.
 
@@ -53,7 +71,8 @@ import time
 from typing import Any, Callable, Sequence
 
 from eagle3_jax.cli.conversations import PromptFormat, check_raw, read_conversations
-from eagle3_jax.cli.output import Answers, log, run_chat, run_compare, run_json, run_stream
+from eagle3_jax.cli.output import (Answers, Console, log, run_chat, run_compare, run_json,
+                                   run_stream, summary_line)
 from eagle3_jax.errors import UsageError, run_cli
 
 MODES = ("vanilla", "eagle")
@@ -112,9 +131,11 @@ def resolve_tree(total_tokens, tree_top_k: int | None, depth: int | None):
 
 
 def autotune(target, loaded_head, prompt_length: int, tree_top_k: int | None, depth: int | None,
-             accept_rates: list[float] | None, batch: int = 1):
-    """The autotuned TreeChoice for a padded batch of ``batch`` rows (measured costs, the
-    head's or the given acceptance rates)."""
+             accept_rates: list[float] | None, batch: int = 1,
+             log: Callable[[str], None] = log):
+    """The autotuned TreeChoice for a padded batch of ``batch`` rows (measured costs; the
+    given acceptance rates, else the head's, else the default profile 0.6*0.9^d); ``log``
+    gets the chooser's diagnostics."""
     from eagle3_jax.decoding.autotune import RANKED_TREES, autotune_tree
 
     rates = accept_rates or loaded_head.accept_rates
@@ -168,19 +189,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", metavar="PATH",
                    help="EAGLE-3 head: released-format folder or training run / checkpoint")
     p.add_argument("--depth", type=int, default=None,
-                   help="draft tree levels incl. the root (default 4; the reference's depth=7 "
-                        "is our 8)")
+                   help="draft tree levels incl. the root, fixing the tree (the reference's "
+                        "depth=7 is our 8). Without --depth, --tree-top-k and --total-tokens "
+                        "the tree is 'auto', whichever head drafts")
     p.add_argument("--tree-top-k", type=int, default=None,
-                   help="children per expanded tree node (default 4; 1 = a chain)")
+                   help="children per expanded tree node, fixing the tree (1 = a chain)")
     p.add_argument("--total-tokens", default=None,
-                   help="nodes verified per round incl. the root (default 16; the reference's "
-                        "total_token), or 'auto'")
+                   help="nodes verified per round incl. the root (the reference's "
+                        "total_token), or 'auto': the tree measured fastest here, with the "
+                        "fallback (the default without tree flags). With only --depth / "
+                        "--tree-top-k: every candidate of that shape, up to 16")
     p.add_argument("--accept-rates", default=None, metavar="A1,A2,...",
-                   help="per-depth acceptance rates for --total-tokens auto (default: the "
-                        "head's measured ones, else 0.6*0.9^d)")
+                   help="per-depth acceptance rates the auto tree is modelled from (default: "
+                        "the head's record, else 0.6*0.9^d)")
     p.add_argument("--force-eagle", action="store_true",
-                   help="with --total-tokens auto, draft throughout: even where plain decoding "
-                        "is predicted or measured faster")
+                   help="with the auto tree, draft throughout: even where plain decoding is "
+                        "predicted or measured faster")
     p.add_argument("--compare", action="store_true",
                    help="decode with vanilla and eagle; report speeds, speed-up, identical text")
     p.add_argument("--batch-size", type=int, default=None,
@@ -191,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true",
                    help="neither read nor write the serving-weights and compilation caches "
                         "under $EAGLE3_JAX_HOME")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print the diagnostics: loading, the tree chooser's timings and "
+                        "choice, the fallback's break-even, compilations, every prompt and "
+                        "every answer's timings")
     p.add_argument("--debug", action="store_true", help="show tracebacks of user errors too")
     p.set_defaults(shipped_head=False)  # set by _check_flags when --draft is the shipped head
     return p
@@ -209,13 +237,22 @@ def main(argv: Sequence[str] | None = None, *,
         from eagle3_jax.draft.shipped import shipped_head_for
 
         head_for = shipped_head_for if load_fn is None else (lambda target: None)
-    return run_cli(lambda: _run(args, load_fn, head_for), debug=args.debug)
+    console = Console(args.verbose)
+
+    def body() -> None:
+        try:
+            _run(args, load_fn, head_for, console)
+        finally:
+            console.answering()  # an error's line starts on a line of its own
+
+    return run_cli(body, debug=args.debug)
 
 
 def _check_flags(args: argparse.Namespace, head_for: Callable[[str | None], Any]) -> str:
     """Flag combinations, before anything loads; returns the mode. Without ``--draft`` and
-    ``--mode vanilla``, the target's shipped head (``head_for``) becomes the draft, with the
-    tree chosen by measurement (``--total-tokens auto``) unless tree flags are given."""
+    ``--mode vanilla``, the target's shipped head (``head_for``) becomes the draft. Whichever
+    head drafts, the tree is chosen by measurement (``--total-tokens auto``, with the fallback)
+    unless tree flags are given."""
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.batch_size is not None and args.batch_size < 1:
@@ -232,8 +269,6 @@ def _check_flags(args: argparse.Namespace, head_for: Callable[[str | None], Any]
         if shipped is not None:
             args.draft = str(shipped)
             args.shipped_head = True
-            if args.total_tokens is None and args.tree_top_k is None and args.depth is None:
-                args.total_tokens = "auto"  # the shipped head's tree is the chooser's
     mode = args.mode or ("eagle" if args.draft or args.compare else "vanilla")
     eagle = mode == "eagle" or args.compare
     draft_flag = None if args.shipped_head else args.draft
@@ -251,8 +286,11 @@ def _check_flags(args: argparse.Namespace, head_for: Callable[[str | None], Any]
         raise UsageError("--mode eagle needs a draft head and this target has no shipped one: "
                          "pass --draft PATH (a released EAGLE-3 head folder or a training run "
                          "folder)")
+    if eagle and args.total_tokens is None and args.tree_top_k is None and args.depth is None:
+        args.total_tokens = "auto"  # whichever head drafts: the chooser's tree, the fallback
     if args.force_eagle and args.total_tokens != "auto":
-        raise UsageError("--force-eagle only applies to --total-tokens auto")
+        raise UsageError("--force-eagle only applies to the auto tree: drop --depth, "
+                         "--tree-top-k and --total-tokens N, or --force-eagle")
     parse_mesh(args.mesh)
     return mode
 
@@ -267,7 +305,7 @@ def _padded_batch(args, conversations) -> int:
     return bucket(min(args.batch_size or DEFAULT_BATCH_SIZE, max(len(conversations), 1)), 1)
 
 
-def _load_target(args, load_fn):
+def _load_target(args, load_fn, log: Callable[[str], None]):
     start = time.perf_counter()
     if load_fn is not None:
         target = load_fn(args.target)
@@ -294,7 +332,8 @@ def _load_target(args, load_fn):
     return target
 
 
-def _run(args: argparse.Namespace, load_fn: Callable | None, head_for: Callable) -> None:
+def _run(args: argparse.Namespace, load_fn: Callable | None, head_for: Callable,
+         console: Console) -> None:
     from eagle3_jax.decoding.sampling import sampling_from_flags
     from eagle3_jax.decoding.decoders import CompileCache, EagleDecoder, PlainDecoder
 
@@ -317,37 +356,48 @@ def _run(args: argparse.Namespace, load_fn: Callable | None, head_for: Callable)
 
         check_head_path(args.draft)  # before the target loads
 
-    target = _load_target(args, load_fn)
+    target = _load_target(args, load_fn, console)
     fmt = PromptFormat(target.tokenizer, target.cfg.max_position_embeddings, args.system,
                        args.raw)
     answers = Answers(target.tokenizer, args.max_new_tokens, tuple(args.stop))
-    cache = CompileCache(log)
+    cache = CompileCache(console)
     decoders = {}
     fallback = None  # the auto tree's: give up drafting where the prompt's acceptance is low
+    how = ""  # how the tree was chosen, for the summary line
+    plainly = False  # the chooser found no tree worth drafting here
     if eagle:
         from eagle3_jax.draft.load import load_head
 
         loaded = load_head(args.draft, target.cfg).serving()
-        log(f"[draft head: {loaded.description}; draft vocabulary "
-            f"{loaded.head.cfg.draft_vocab_size}]")
+        console(f"[draft head: {loaded.description}; draft vocabulary "
+                f"{loaded.head.cfg.draft_vocab_size}]")
         if tree is None:
             first = fmt.prompt_ids(fmt.new_history() + [
                 {"role": "user", "content": conversations[0][0] if conversations else "Hi"}],
                 "prompt 0")
             choice = autotune(target, loaded, len(first), args.tree_top_k, args.depth,
-                              accept_rates, batch=_padded_batch(args, conversations))
+                              accept_rates, batch=_padded_batch(args, conversations),
+                              log=console)
             tree = choice.tree
+            how = ", chosen for this machine"
+            if accept_rates is None and loaded.accept_rates is None:
+                how += (" at the default acceptance rates 0.6*0.9^d (the head has no "
+                        "acceptance record)")
             if not choice.pays_off and not (args.force_eagle or args.compare):
-                log("[decoding plainly: no draft tree is predicted to beat plain decoding on "
-                    "this machine (--force-eagle keeps EAGLE)]")
-                mode, eagle = "vanilla", False
+                console("[decoding plainly: no draft tree is predicted to beat plain decoding "
+                        "on this machine (--force-eagle keeps EAGLE)]")
+                mode, eagle, plainly = "vanilla", False, True
+            elif not choice.pays_off and not args.force_eagle:
+                how += (", predicted not to beat plain decoding here: without --compare it "
+                        "decodes plainly")
             if eagle and not args.force_eagle:
                 from eagle3_jax.decoding.autotune import fallback_for
 
-                fallback = fallback_for(target.params, target.cfg, loaded.head, tree, log=log)
+                fallback = fallback_for(target.params, target.cfg, loaded.head, tree,
+                                        log=console)
     if eagle:
-        log(f"[draft tree: top_k={tree.tree_top_k} depth={tree.depth} "
-            f"total_tokens={tree.total_tokens}]")
+        console(f"[draft tree: top_k={tree.tree_top_k} depth={tree.depth} "
+                f"total_tokens={tree.total_tokens}]")
         decoders["eagle"] = EagleDecoder(target, sampling, args.max_new_tokens, args.seed,
                                          head=loaded.head, tree=tree, compile_cache=cache,
                                          fallback=fallback)
@@ -355,14 +405,23 @@ def _run(args: argparse.Namespace, load_fn: Callable | None, head_for: Callable)
         decoders["vanilla"] = PlainDecoder(target, sampling, args.max_new_tokens, args.seed,
                                            compile_cache=cache)
     batch_size = args.batch_size or DEFAULT_BATCH_SIZE
+    plain = identical = None
     if args.compare:
-        run_compare(conversations, fmt, decoders, batch_size, answers, args.json)
+        tally, plain, identical = run_compare(conversations, fmt, decoders, batch_size, answers,
+                                              args.json, console)
     elif args.chat:
-        run_chat(fmt, decoders[mode], answers)
+        tally = run_chat(fmt, decoders[mode], answers, console)
     elif args.json:
-        run_json(conversations, fmt, decoders[mode], batch_size, answers)
+        tally = run_json(conversations, fmt, decoders[mode], batch_size, answers, console)
     else:
-        run_stream(conversations, fmt, decoders[mode], answers)
+        tally = run_stream(conversations, fmt, decoders[mode], answers, console)
+    if eagle:
+        label = (f"eagle (tree: top-k {tree.tree_top_k}, depth {tree.depth}, "
+                 f"{tree.total_tokens} tokens{how})")
+    else:
+        label = ("vanilla (no draft tree is predicted to beat plain decoding on this machine; "
+                 "--force-eagle drafts)" if plainly else "vanilla")
+    console.show(summary_line(label, tally, drafting=eagle, plain=plain, identical=identical))
 
 
 if __name__ == "__main__":
