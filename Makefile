@@ -52,16 +52,19 @@ demo: model
 head: model
 	PY=$(PY) bash launch/build_default_head.sh
 
-# One pytest worker per core (pytest-xdist), a test file per worker so module fixtures are
-# built once; PYTEST_WORKERS=0 runs in one process. A worker that crashes ends the run (reported
-# with its traceback) rather than being replaced: under --dist loadfile, pytest-xdist 3.8
-# re-queues the dead worker's finished files as empty units and the run then waits forever
-# (pytest-dev/pytest-xdist#1378), which CI sees only as a time-out.
+# One pytest worker per core (pytest-xdist). --dist worksteal: each worker takes half the
+# collection and an idle worker steals the back half of the other's queue, so files split across
+# workers and the run does not wait on one long file (tests/conftest.py starts the long tests
+# first and shares one compilation cache between the workers and the CLIs they start).
+# PYTEST_WORKERS=0 runs in one process; --durations=10 reports the slowest tests. A worker that
+# crashes ends the run with its traceback rather than being replaced (--max-worker-restart=0):
+# a replaced worker has left runs waiting forever (pytest-dev/pytest-xdist#1378), which CI sees
+# only as a time-out.
 PYTEST_WORKERS ?= auto
-PYTEST_ARGS := -q -n $(PYTEST_WORKERS) --dist loadfile --max-worker-restart=0
+PYTEST_ARGS := -q -n $(PYTEST_WORKERS) --dist worksteal --max-worker-restart=0 --durations=10
 
 test: model $(LIBTPU_SITE)/.stamp
-	EAGLE3_JAX_LIBTPU_SITE=$(abspath $(LIBTPU_SITE)) XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest $(PYTEST_ARGS) tests
+	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest $(PYTEST_ARGS) tests
 
 test-fast: model
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests

@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 
 ENV_SWITCH = "EAGLE3_JAX_COMPILE_CACHE"
+ENV_MIN_SECONDS = "EAGLE3_JAX_COMPILE_CACHE_MIN_SECONDS"
+DEFAULT_MIN_SECONDS = 0.2
 
 
 def enable_compile_cache(directory: str | Path | None = None) -> Path | None:
@@ -34,8 +36,10 @@ def enable_compile_cache(directory: str | Path | None = None) -> Path | None:
         directory = switch
     path = Path(directory) if directory is not None else cache_dir() / "xla"
     jax.config.update("jax_compilation_cache_dir", str(path))
-    # Cache every program that took noticeable time to compile, whatever its size.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    # Cache every program that took noticeable time to compile (``ENV_MIN_SECONDS``, default
+    # 0.2 s; the test suite caches every program), whatever its size.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ.get(ENV_MIN_SECONDS, DEFAULT_MIN_SECONDS)))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
 
@@ -44,8 +48,9 @@ def enable_compile_cache(directory: str | Path | None = None) -> Path | None:
 # lets a process hold at most vm.max_map_count of them (65530 by default). A process that
 # compiles program after program (a long benchmark, a server seeing many batch shapes) reaches
 # it, the next compilation cannot map its code, and XLA crashes raising that failure (a
-# segmentation fault while unwinding; an xdist worker of the test suite did, stop 26). Long-lived
-# compiling code checks ``near_mapping_limit()`` before compiling and drops compiled programs.
+# segmentation fault while unwinding; an xdist worker of the test suite did on 2026-12-06).
+# Long-lived compiling code checks ``near_mapping_limit()`` before compiling and drops compiled
+# programs.
 MAPPINGS_HIGH_WATER = 0.8  # of vm.max_map_count
 
 

@@ -1,15 +1,21 @@
 """launch/train_tpu.sh --dry-run prints the gcloud commands of a multi-host run without running
 them; bad arguments fail with a message."""
 
+import os
 import subprocess
 from pathlib import Path
+
+from eagle3_jax.plan import LIBTPU_SITE_ENV
 
 SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "train_tpu.sh"
 
 
 def _run(*args):
+    # The plan the script runs first is the analytic one (libtpu hidden): these tests are about
+    # the commands it prints; tests/test_plan.py compiles plans through libtpu.
+    env = dict(os.environ, **{LIBTPU_SITE_ENV: ""})
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env=env)
 
 
 def test_dry_run_prints_create_install_and_train_on_all_workers():

@@ -109,7 +109,10 @@ def test_second_decoder_start_uses_both_caches(smollm2_gguf_path, tmp_path):
     os.symlink(smollm2_gguf_path, home / smollm2_gguf_path.name)
     env = dict(os.environ, EAGLE3_JAX_HOME=str(home), EAGLE3_JAX_WEIGHTS_CACHE="1",
                EAGLE3_JAX_COMPILE_CACHE="1")
-    cmd = [sys.executable, "-m", "eagle3_jax.decode", "--prompt", "Hi", "--max-new-tokens", "6"]
+    # EAGLE with the shipped head on a fixed tree: the compiled programs of both models are
+    # cached, and no start times the tree chooser's candidates (tests/test_autotune.py does).
+    cmd = [sys.executable, "-m", "eagle3_jax.decode", "--prompt", "Hi", "--max-new-tokens", "6",
+           "--tree-top-k", "2", "--depth", "3", "--total-tokens", "6"]
     runs = [subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
             for _ in range(2)]
     for run in runs:

@@ -41,17 +41,20 @@ def prefill_times(params, cfg, length: int, max_new_tokens: int, repeats: int,
     ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, (1, width))
     ids[:, length:] = 0
     tokens, lengths = jnp.asarray(ids, jnp.int32), jnp.array([length], jnp.int32)
-    runs = {name: jax.jit(lambda t, n, chunk=chunk: prefill(params, cfg, t, n, max_len,
-                                                            chunk=chunk))
+    # The weights are an argument, as in the decoders: closed over, XLA would compile them into
+    # the program as constants (slow to compile, and not the program that decodes).
+    runs = {name: jax.jit(lambda p, t, n, chunk=chunk: prefill(p, cfg, t, n, max_len,
+                                                               chunk=chunk))
             for name, chunk in (("one forward", None), ("decoders", "auto"))}
-    state = {"cache": runs["one forward"](tokens, lengths).cache}
+    state = {"cache": runs["one forward"](params, tokens, lengths).cache}
 
     def decode_step():  # forward_step donates the cache: keep the one it returns
         logits, new = forward_step(params, state["cache"], jnp.ones((1, 1), jnp.int32), cfg)
         state["cache"] = new.replace(end=jnp.array([length], jnp.int32))  # at the prompt end
         return logits
 
-    fns = {name: (lambda run=run: run(tokens, lengths).logits) for name, run in runs.items()}
+    fns = {name: (lambda run=run: run(params, tokens, lengths).logits)
+           for name, run in runs.items()}
     fns["decode step"] = decode_step
     return interleaved_medians(fns, repeats, warmup=1)
 
