@@ -12,7 +12,7 @@
 #   3. vocab       the draft vocabulary and tokens of those answers
 #   4. train       configs/train-smollm2-135m.yaml (orbax checkpoints; resumes)
 #   5. bench       `bench speed` with the new head: reference tree and auto at temperature 0,
-#                  auto at temperature 1 ($BENCH_PROMPTS prompts per task)
+#                  auto at temperature 1 ($BENCH_PROMPTS prompts per task; results in $WORK)
 #   6. export      the head in the released layout, bfloat16, with acceptance.json and the model
 #                  card, into eagle3_jax/heads/smollm2-135m/
 #   (5a. calibrate `bench calibrate --write` right after the first export: the head's live
@@ -59,14 +59,14 @@ results=()
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   common=(--num-prompts "$BENCH_PROMPTS" --max-new-tokens "$BENCH_TOKENS" --draft "$HEAD")
   "$PY" -m eagle3_jax.bench speed "${common[@]}" --depth 8 --tree-top-k 10 --total-tokens 60 \
-    --out docs/bench_speed_reference_tree.json
+    --out "$WORK/bench_speed_reference_tree.json"
   "$PY" -m eagle3_jax.bench speed "${common[@]}" --total-tokens auto --hf \
-    --out docs/bench_speed.json
+    --out "$WORK/bench_speed.json"
   "$PY" -m eagle3_jax.bench speed "${common[@]}" --total-tokens auto --temperature 1 \
-    --out docs/bench_speed_t1.json
-  results=(--results "reference tree, T=0=docs/bench_speed_reference_tree.json"
-           --results "auto tree, T=0=docs/bench_speed.json"
-           --results "auto tree, T=1=docs/bench_speed_t1.json")
+    --out "$WORK/bench_speed_t1.json"
+  results=(--results "reference tree, T=0=$WORK/bench_speed_reference_tree.json"
+           --results "auto tree, T=0=$WORK/bench_speed.json"
+           --results "auto tree, T=1=$WORK/bench_speed_t1.json")
 fi
 "$PY" - "$WORK" "$CONVERSATIONS" <<'EOF'
 import json, platform, sys

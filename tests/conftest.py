@@ -15,15 +15,6 @@ import sys
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-# XLA's CPU backend compiles the tests' programs without LLVM's expensive optimisations: most
-# of the suite's time is compiling small programs that then run once, and this cuts that time by
-# about a fifth (the HLO passes, fusion included, are the same; the C++ kernels are built apart).
-# The decoders and benchmarks outside the suite compile at XLA's defaults.
-TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ["XLA_FLAGS"], *(f for f in TEST_XLA_FLAGS if f.split("=")[0] not in
-                                os.environ["XLA_FLAGS"])])
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The start-up caches under $EAGLE3_JAX_HOME stay off in the test process (every test reads its
 # source fresh, and no test run leaves entries in the user's home); tests/test_startup.py turns
 # them on in temporary homes.
