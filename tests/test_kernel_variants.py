@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(not (platform.machine() in ("x86_64", "AMD64") and shutil.which("c++")
                          and has_avx512()),
                     reason="needs an x86-64 CPU with AVX-512 and the built kernels")
+@pytest.mark.slow  # a second run of the kernel tests, left out of make test-fast
 @pytest.mark.parametrize("tests", ["tests/test_cached_attention.py", "tests/test_rows_matmul.py"])
 def test_the_avx2_variants_pass_the_kernel_tests(tests):
     env = dict(os.environ, **{ENV_ISA: "avx2"})
