@@ -50,6 +50,11 @@ def aot_topology_name(topology) -> str:
 LIBTPU_SITE_ENV = "EAGLE3_JAX_LIBTPU_SITE"
 
 
+def venv_libtpu_site() -> Path:
+    """Where ``make setup`` installs libtpu: ``<sys.prefix>/libtpu``."""
+    return Path(sys.prefix) / "libtpu"
+
+
 def libtpu_site() -> Path | None:
     """The folder holding the ``libtpu`` package for compiled plans: ``$EAGLE3_JAX_LIBTPU_SITE``
     when set (empty: none), else ``<sys.prefix>/libtpu`` (``make setup`` installs it there)
@@ -57,7 +62,7 @@ def libtpu_site() -> Path | None:
     if LIBTPU_SITE_ENV in os.environ:
         value = os.environ[LIBTPU_SITE_ENV]
         return Path(value) if value else None
-    default = Path(sys.prefix) / "libtpu"
+    default = venv_libtpu_site()
     return default if (default / "libtpu").is_dir() else None
 
 

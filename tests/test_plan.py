@@ -22,7 +22,7 @@ from eagle3_jax.presets import load_preset
 
 REPO = Path(__file__).resolve().parents[1]
 LIBTPU_SITE = plan.libtpu_site()
-DEFAULT_SITE = Path(sys.prefix) / "libtpu"
+DEFAULT_SITE = plan.venv_libtpu_site()
 
 
 def _plan(*args, libtpu: bool):
