@@ -1,6 +1,7 @@
 # make demo      : create .venv if missing, install, fetch the default model, run the decoder on it.
 # make test      : the same set-up, then the whole test suite on an 8-device CPU-emulated mesh.
-# make test-fast : the same, without the tests marked `slow` (the edit loop).
+# make test-fast : the same, without the tests marked `slow` (the edit loop; it keeps its
+#                  compilation cache between runs).
 # make head      : rebuild the CPU stage of the shipped EAGLE-3 head of the default target (data the
 #                  target answers itself, training, measurement, export + model card); hours on a
 #                  CPU, resumable: re-run it after an interruption.
@@ -66,8 +67,12 @@ PYTEST_ARGS := -q -n $(PYTEST_WORKERS) --dist worksteal --max-worker-restart=0 -
 test: model $(LIBTPU_SITE)/.stamp
 	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest $(PYTEST_ARGS) tests
 
+# The edit loop keeps its compilation cache between runs, in $(EAGLE3_JAX_HOME)/xla-tests (JAX
+# keys each entry by the program and the JAX/XLA versions, so a changed program compiles again):
+# a run after an edit compiles only what the edit changed.
 test-fast: model
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests
+	EAGLE3_JAX_COMPILE_CACHE=$(EAGLE3_JAX_HOME)/xla-tests XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+	  $(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests
 
 bench: model
 	$(PY) -m eagle3_jax.bench forward

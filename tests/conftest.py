@@ -32,11 +32,17 @@ if "EAGLE3_JAX_COMPILE_CACHE" not in os.environ:
     # removes it, when it exits.
     atexit.register(shutil.rmtree, _RUN_CACHE, ignore_errors=True)
 os.environ.setdefault("EAGLE3_JAX_COMPILE_CACHE_MIN_SECONDS", "0")
+# A cache kept across runs (``make test-fast`` keeps one under $EAGLE3_JAX_HOME) is held to this
+# size: JAX evicts the least recently used entries past it.
+TEST_CACHE_MAX_BYTES = 4 * 2**30
 
 from eagle3_jax.compile_cache import (drop_compiled_programs, enable_compile_cache,  # noqa: E402
                                       memory_mappings)
 
-enable_compile_cache()
+if enable_compile_cache() is not None:
+    import jax  # noqa: E402
+
+    jax.config.update("jax_compilation_cache_max_size", TEST_CACHE_MAX_BYTES)
 
 import pytest  # noqa: E402
 
@@ -86,6 +92,17 @@ def hf_smollm2(smollm2_gguf_path):
         local_files_only=True,
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_target(smollm2_gguf_path):
+    """The default target as the commands load it without ``--target`` (``load_target(None)``:
+    the SmolLM2 preset, serving layout, one-device mesh), read once per session: the command
+    tests that run the default model but do not test its loading share it (a read of the GGUF
+    takes ~10 s on two cores; tests/test_decode_cli.py runs the decoder's own load)."""
+    from eagle3_jax.checkpoints import load_target
+
+    return load_target(None)
 
 
 @pytest.fixture(scope="session")

@@ -90,7 +90,7 @@ def params_from_hf(state_dict: dict[str, torch.Tensor], cfg: TargetConfig) -> di
     shapes are checked against ``param_specs(cfg)``.
     """
     specs = param_specs(cfg)
-    arrays = jax.tree.map(lambda s: np.full(s.shape, np.nan, np.float32), specs, is_leaf=is_spec)
+    arrays = jax.tree.map(lambda s: np.empty(s.shape, np.float32), specs, is_leaf=is_spec)
     written: set[tuple] = set()
     for name, tensor in state_dict.items():
         mapped = hf_to_param(name, tensor.detach().to(torch.float32).numpy(), cfg)
@@ -109,8 +109,11 @@ def params_from_hf(state_dict: dict[str, torch.Tensor], cfg: TargetConfig) -> di
         else:
             assert value.shape == target[path[-1]].shape[1:], (name, value.shape)
             target[path[-1]][layer] = value
-    for leaf in jax.tree.leaves(arrays):
-        assert not np.isnan(leaf).any(), "a parameter slot was not written by the HF state dict"
+    # Every slot written: a whole leaf, or each layer of a stacked leaf.
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(arrays)[0]:
+        path = tuple(k.key for k in keys)
+        assert (path, None) in written or all((path, i) in written for i in range(len(leaf))), (
+            f"the HF state dict did not write the parameter {'/'.join(path)}")
     return jax.tree.map(lambda a: jnp.asarray(a, dtype=cfg.dtype), arrays)
 
 

@@ -48,22 +48,31 @@ def _head_layouts() -> set[tuple[int, int, int]]:
     return layouts
 
 
+def _rope_cos_sin(positions: np.ndarray, h: int) -> tuple[np.ndarray, np.ndarray]:
+    """RoPE (theta 10000) of ``positions`` [B, T] as ``layers.rope_cos_sin`` makes it, in
+    float32 NumPy (no XLA program to compile for each shape): (cos, sin) [B, T, H/2]."""
+    inv_freq = 1.0 / np.float32(10000.0) ** (np.arange(0, h, 2, dtype=np.float32) / np.float32(h))
+    angles = positions.astype(np.float32)[..., None] * inv_freq
+    return np.cos(angles), np.sin(angles)
+
+
 def _operands(b, t, n, kv, h, slots, ends, seed, tree=True):
     """The nine operands for T new tokens after ``ends`` [B] cached tokens: a random mask over
     the committed slots (a tree verification sees a subset), a random tree (ancestors: lower
-    triangle, each token sees itself) or the causal mask over the new tokens."""
+    triangle, each token sees itself) or the causal mask over the new tokens. NumPy arrays (a
+    program takes them as they are; ``jnp.asarray`` compiles a copy for each new shape)."""
     rng = np.random.default_rng(seed)
     f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)
     ends = np.asarray(ends)
     positions = ends[:, None] + np.arange(t)[None]
-    cos, sin = layers.rope_cos_sin(jnp.asarray(positions),
-                                   layers.rope_inv_freq(h, 10000.0, None))
+    cos, sin = _rope_cos_sin(positions, h)
     m_past = (np.arange(slots)[None, None] < ends[:, None, None]) & (rng.random((b, t, slots)) < 0.9)
     causal = np.tril(np.ones((t, t), bool))[None]
     m_new = (causal & (rng.random((b, t, t)) < 0.6) | np.eye(t, dtype=bool)) if tree else causal
     m_new = np.broadcast_to(m_new, (b, t, t))
-    return [jnp.asarray(a) for a in (f32(b, t, n, h), f32(b, t, kv, h), f32(b, t, kv, h), cos, sin,
-                                     f32(b, kv, h, slots), f32(b, kv, slots, h), m_past, m_new)]
+    return [np.ascontiguousarray(a) for a in (f32(b, t, n, h), f32(b, t, kv, h), f32(b, t, kv, h),
+                                              cos, sin, f32(b, kv, h, slots), f32(b, kv, slots, h),
+                                              m_past, m_new)]
 
 
 def _kernel_call(*args):
@@ -114,7 +123,8 @@ def test_the_kernel_is_built_and_lowered_here():
 
 
 @needs_kernel
-@pytest.mark.parametrize("layout", sorted(_head_layouts()))
+@pytest.mark.parametrize("layout", sorted(_head_layouts()),
+                         ids=[f"heads{n}-kv{kv}-dim{h}" for n, kv, h in sorted(_head_layouts())])
 @pytest.mark.parametrize("t", (1, 2, 8, 17, 64))
 def test_matches_xla_for_every_preset_layout(layout, t):
     """Each preset's (heads, kv heads, head dim); two rows whose caches hold different counts
@@ -158,7 +168,7 @@ def test_a_row_that_sees_nothing_gets_zeros_and_others_are_unaffected():
     args = _operands(1, 3, 4, 2, 16, 20, [12], seed=4)
     m_past, m_new = np.array(args[7]), np.array(args[8])
     m_past[0, 1], m_new[0, 1] = False, False  # token 1 sees no slot at all
-    args[7], args[8] = jnp.asarray(m_past), jnp.asarray(m_new)
+    args[7], args[8] = m_past, m_new
     out, _ = jax.jit(_kernel_call)(*args)
     assert np.all(np.asarray(out[0, 1]) == 0)
     want, _ = _numpy_reference(*args)
@@ -178,8 +188,10 @@ def test_runs_inside_a_while_loop_and_differentiates_as_xla():
                                np.asarray(loop(layers._cached_attention_xla)(args[0])),
                                rtol=0, atol=ATOL_OUT)
     loss = lambda fn: (lambda q, kn, vn: jnp.sum(jnp.sin(fn(q, kn, vn, *args[3:])[0])))
-    got = jax.grad(loss(_kernel_call), argnums=(0, 1, 2))(*args[:3])
-    want = jax.grad(loss(layers._cached_attention_xla), argnums=(0, 1, 2))(*args[:3])
+    # Both gradients, in one program.
+    got, want = jax.jit(lambda *new: (
+        jax.grad(loss(_kernel_call), argnums=(0, 1, 2))(*new),
+        jax.grad(loss(layers._cached_attention_xla), argnums=(0, 1, 2))(*new)))(*args[:3])
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
@@ -206,6 +218,8 @@ def test_xla_runs_when_switched_off_absent_or_lowered_for_tpu(monkeypatch):
     assert ka.FFI_TARGET not in jax.jit(_kernel_call).lower(q, k, v, cos, sin, kp, vp, mp,
                                                             mn).as_text()
     monkeypatch.undo()
+    # Possibly read (and cached) while the library was missing: the [in, out] matmul default.
+    library.in_out_kernel_preferred.cache_clear()
     jax.clear_caches()
     if library.kernel_available():
         tpu = jax.jit(model_attention).trace(q, k, v).lower(lowering_platforms=("tpu",)).as_text()

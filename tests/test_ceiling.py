@@ -46,6 +46,12 @@ def test_each_node_is_among_the_targets_top_k_at_its_parent(models, sampling):
     state = driver.start(spec, (params, head.serving()), tokens, lengths, jax.random.key(0))
     tree, _, _ = jax.jit(TargetProposer(sampling), static_argnums=(3, 4))(
         params, head.serving(), state, cfg, tree_cfg)
+    # The reference: one jitted causal forward of each path, padded at the end to one width
+    # (a causal mask keeps the padding out of the logits at the path's last position).
+    width = int(lengths.max()) + tree_cfg.depth + 1
+    fresh_forward = jax.jit(lambda seq: forward(params, cfg, seq[None], jnp.arange(width)[None],
+                                                jnp.tril(jnp.ones((width, width), bool))[None]
+                                                ).logits[0])
     checked = 0
     for row in range(2):
         prompt = np.asarray(tokens[row, :int(lengths[row])])
@@ -54,8 +60,7 @@ def test_each_node_is_among_the_targets_top_k_at_its_parent(models, sampling):
             path = [int(i) for i in np.asarray(tree.paths[row, node]) if i >= 0]
             seq = np.concatenate([prompt, nodes[path[:-1]]])  # up to the parent (the root first)
             n = len(seq)
-            logits = forward(params, cfg, jnp.asarray(seq)[None], jnp.arange(n)[None],
-                             jnp.tril(jnp.ones((n, n), bool))[None]).logits[0, -1]
+            logits = fresh_forward(jnp.asarray(np.pad(seq, (0, width - n)), jnp.int32))[n - 1]
             p = np.asarray(probs(logits[None], sampling)[0])
             top = np.argsort(-p, kind="stable")[:k]
             assert nodes[node] in top, (row, node, nodes[node], top)
