@@ -44,6 +44,7 @@ from flax import struct
 from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.kernels.matmul import bfloat16_weights
 from eagle3_jax.model.params import ParamSpec, Params, is_spec
+from eagle3_jax.model.random_init import normal_values
 
 
 def draft_param_specs(cfg: DraftConfig) -> Params:
@@ -75,8 +76,8 @@ def init_draft_params(cfg: DraftConfig, key: jax.Array, scale: float = 0.02) -> 
     keys = jax.random.split(key, len(leaves))
     dtype = jnp.dtype(cfg.dtype)
     out = [
-        (jnp.ones(s.shape, jnp.float32) if s.init == "ones"
-         else scale * jax.random.normal(k, s.shape, jnp.float32)).astype(dtype)
+        jnp.ones(s.shape, jnp.float32).astype(dtype) if s.init == "ones"
+        else normal_values(k, s.shape, scale, dtype=dtype)
         for s, k in zip(leaves, keys)
     ]
     return jax.tree.unflatten(treedef, out)

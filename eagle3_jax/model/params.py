@@ -36,6 +36,7 @@ from eagle3_jax.kernels.matmul import PANEL
 from eagle3_jax.kernels.matmul import from_panels as from_weight_panels
 from eagle3_jax.kernels.matmul import to_panels as to_weight_panels
 from eagle3_jax.model.config import TargetConfig
+from eagle3_jax.model.random_init import normal_values
 
 Params = dict[str, Any]
 
@@ -97,14 +98,13 @@ def init_params(cfg: TargetConfig, key: jax.Array, scale: float = 0.02) -> Param
     dtype = jnp.dtype(cfg.dtype)
     out = []
     for spec, k in zip(leaves, keys):
-        noise = jax.random.normal(k, spec.shape, jnp.float32)
         if spec.init == "normal":
-            value = noise * scale
+            value = normal_values(k, spec.shape, scale, dtype=dtype)
         elif spec.init == "ones":
-            value = 1.0 + 0.1 * noise
+            value = normal_values(k, spec.shape, 0.1, offset=1.0, dtype=dtype)
         else:
-            value = 0.1 * noise
-        out.append(value.astype(dtype))
+            value = normal_values(k, spec.shape, 0.1, dtype=dtype)
+        out.append(value)
     return jax.tree.unflatten(treedef, out)
 
 
