@@ -123,8 +123,9 @@ RUN_FIRST = ("test_build_head_accelerator.py", "test_kernel_variants.py", "test_
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test that reads the real SmolLM2 file (through the fixtures above) is ``slow``, so
-    ``make test-fast`` (``-m "not slow"``) is the random-weights suite; the files of
+    """Every test that reads the real SmolLM2 file (through the fixtures above) is ``slow``, as
+    are the other end-to-end tests marked so in their files, so ``make test-fast``
+    (``-m "not slow"``) is the random-weights suite of small models; the files of
     ``RUN_FIRST`` run first."""
     for item in items:
         if "smollm2_gguf_path" in getattr(item, "fixturenames", ()):

@@ -73,6 +73,7 @@ def _distinct_configurations() -> list[str]:
     return sorted(first.values())
 
 
+@pytest.mark.slow  # full-size attention weights in both frameworks
 @pytest.mark.parametrize("name", _distinct_configurations())
 def test_one_layer_of_the_real_configuration_matches_hf(name):
     full = load_preset(name).target

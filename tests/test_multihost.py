@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow  # three JAX processes, each compiling the training step
 
 WORKER = Path(__file__).resolve().parent / "multihost_worker.py"
 

@@ -53,6 +53,7 @@ def wheel(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow  # builds the wheel, C++ kernels included
 def test_wheel_ships_configs_prompts_and_scripts(wheel):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
@@ -89,6 +90,7 @@ def test_console_script_targets_exist(target):
     assert callable(getattr(importlib.import_module(module), func))
 
 
+@pytest.mark.slow
 def test_installed_wheel_finds_its_configs_from_another_folder(wheel, tmp_path):
     site = tmp_path / "site"
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q",
