@@ -9,29 +9,51 @@ from eagle3_jax.bench.__main__ import main
 from test_eagle_cli import steady_costs  # noqa: F401 (the tree chooser's timings, fixed)
 
 
-def test_bench_forward_writes_curve_and_floor(smollm2_gguf_path, tmp_path):
+@pytest.fixture
+def default_target(smollm2_target, monkeypatch):
+    """The commands' ``load_target`` hands them the session's default target (what it reads
+    for no ``--target``; tests/test_decode_cli.py runs that read itself) instead of reading the
+    GGUF again; returns the targets asked for."""
+    asked = []
+
+    def load_target(target=None, **kwargs):
+        asked.append((target, kwargs))
+        assert target is None and not kwargs, (target, kwargs)
+        return smollm2_target
+
+    monkeypatch.setattr("eagle3_jax.checkpoints.load_target", load_target)
+    return asked
+
+
+def test_bench_forward_writes_curve_and_floor(default_target, tmp_path):
+    """The sizes, context and draft widths are the tree chooser's (its forwards of 1 and 64
+    tokens after 128 cached, its draft steps over 1 and 16): within one run of the suite the
+    decoder's chooser (tests/test_decode_cli.py) then loads those programs from the run's
+    compilation cache instead of compiling them again."""
     out, png = tmp_path / "forward.json", tmp_path / "forward.png"
-    assert main(["forward", "--skip-hf", "--sizes", "1,4", "--repeats", "1", "--context", "32",
-                 "--rounds", "1", "--draft-widths", "1,4", "--out", str(out),
+    assert main(["forward", "--skip-hf", "--sizes", "1,64", "--repeats", "1", "--context",
+                 "128", "--rounds", "1", "--draft-widths", "1,16", "--out", str(out),
                  "--plot", str(png)]) == 0
+    assert default_target == [(None, {})]
     result = json.loads(out.read_text())
-    assert set(result["forward_ms"]) == {"1", "4"} and result["decode_floor_ms"] > 0
+    assert set(result["forward_ms"]) == {"1", "64"} and result["decode_floor_ms"] > 0
     assert set(result["forward_ms_by_mode"]) <= {"kernel", "matmul kernel", "rows kernel", "xla"}
     assert "xla" in result["forward_ms_by_mode"]
-    assert result["compute_floor_ms"]["4"] > result["compute_floor_ms"]["1"] > 0
+    assert result["compute_floor_ms"]["64"] > result["compute_floor_ms"]["1"] > 0
     assert result["matmul_peak_gflop_s"] > 0 and result["forward_over_floor"]["1"] > 0
-    assert set(result["draft_step_ms"]) == {"1", "4"}  # the shipped head's step
+    assert set(result["draft_step_ms"]) == {"1", "16"}  # the shipped head's step
     from eagle3_jax.kernels.library import kernels_in_use
     if kernels_in_use("float32", "matmul"):  # the shipped head's bfloat16 values held so
-        assert set(result["draft_step_ms_float32_held"]) == {"1", "4"}
+        assert set(result["draft_step_ms_float32_held"]) == {"1", "16"}
     assert result["decode_loop_ms_per_token"] > 0
     assert result["param_bytes"] > 500e6 and png.stat().st_size > 0
 
 
-def test_bench_prefill_times_both_forms(smollm2_gguf_path, tmp_path):
+def test_bench_prefill_times_both_forms(default_target, tmp_path):
     out, png = tmp_path / "prefill.json", tmp_path / "prefill.png"
     assert main(["prefill", "--lengths", "20,40", "--repeats", "1", "--max-new-tokens", "8",
                  "--out", str(out), "--plot", str(png)]) == 0
+    assert default_target == [(None, {})]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["length"], r["bucket"]) for r in rows] == [(20, 32), (40, 64)]
     assert rows[0]["chunk"] is None  # one chunk's width: one forward either way
@@ -40,7 +62,7 @@ def test_bench_prefill_times_both_forms(smollm2_gguf_path, tmp_path):
     assert png.stat().st_size > 0
 
 
-def test_bench_calibrate_writes_the_scale_into_the_heads_acceptance(smollm2_gguf_path,
+def test_bench_calibrate_writes_the_scale_into_the_heads_acceptance(default_target,
                                                                    tmp_path):
     """`bench calibrate --write` on a copy of the shipped head: one record per calibration
     tree, the pooled scale, and the copy's acceptance.json gains it (what ``load_head`` reads)."""
@@ -58,6 +80,7 @@ def test_bench_calibrate_writes_the_scale_into_the_heads_acceptance(smollm2_gguf
     out = tmp_path / "calibrate.json"
     assert main(["calibrate", "--draft", str(head), "--num-prompts", "1", "--max-new-tokens",
                  "6", "--write", "--out", str(out)]) == 0
+    assert default_target == [(None, {})]
     result = json.loads(out.read_text())
     assert len(result["trees"]) == len(CALIBRATION_TREES)
     assert result["scale"] == pytest.approx(accept_scale(result["trees"]))
@@ -70,7 +93,9 @@ def test_bench_calibrate_writes_the_scale_into_the_heads_acceptance(smollm2_gguf
 
 def test_compute_floor_counts_the_flops_xla_counts():
     """The forward's FLOP count behind the compute floor, against XLA's cost analysis of the
-    compiled forward (XLA dots: a custom call has no count) of a small random Llama."""
+    compiled forward (XLA dots: a custom call has no count) of a small Llama. The count depends
+    on shapes alone, so the forward is lowered from the params' and cache's shapes
+    (``jax.eval_shape``), without drawing random weights."""
     import jax
     import jax.numpy as jnp
 
@@ -83,9 +108,10 @@ def test_compute_floor_counts_the_flops_xla_counts():
     cfg = TargetConfig(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=160, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True,
                        dtype="float32")
-    params = to_serving(init_params(cfg, jax.random.key(0)), cfg)
+    params = jax.eval_shape(lambda: to_serving(init_params(cfg, jax.random.key(0)), cfg))
     context, t = 24, 8
-    cache = KVCache.zeros(cfg, 1, 64).replace(end=jnp.full((1,), context, jnp.int32))
+    cache = jax.eval_shape(
+        lambda: KVCache.zeros(cfg, 1, 64).replace(end=jnp.full((1,), context, jnp.int32)))
     previous = rm.set_kernel_enabled(False)
     try:
         compiled = forward_step.lower(params, cache, jnp.ones((1, t), jnp.int32), cfg).compile()
@@ -115,7 +141,8 @@ def test_bench_train_reports_throughput_and_memory(smollm2_gguf_path, tmp_path):
 def test_head_flop_count_matches_xla_cost_analysis():
     """The analytic TTT head count against XLA's own count of the compiled forward (one TTT
     step: XLA counts a scan body once). XLA also counts elementwise work (softmax, norms), so
-    it may exceed the matmul count by a few percent, never fall below it."""
+    it may exceed the matmul count by a few percent, never fall below it. The head's params
+    enter as shapes (``jax.eval_shape``): the count does not depend on their values."""
     import jax
     import jax.numpy as jnp
 
@@ -137,7 +164,7 @@ def test_head_flop_count_matches_xla_cost_analysis():
                      positions=zeros(b, t, dtype=jnp.int32))
     embed = zeros(1000, d)
     compiled = jax.jit(lambda p: ttt_forward(p, cfg, embed, batch)[0]).lower(
-        init_draft_params(cfg, jax.random.key(0))).compile()
+        jax.eval_shape(lambda: init_draft_params(cfg, jax.random.key(0)))).compile()
     cost = compiled.cost_analysis()
     xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
     ours = head_flops_per_token(cfg, t) / 3 * b * t  # the forward third

@@ -21,10 +21,10 @@ from eagle3_jax.decoding.tree import (TreeConfig, TreeError,
 from eagle3_jax.decoding.verify import Acceptance
 from eagle3_jax.draft.config import DraftConfig
 from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache, fuse_taps
-from eagle3_jax.draft.params import DraftHead, VocabMap, init_draft_params
+from eagle3_jax.draft.params import DraftHead, VocabMap, draft_param_specs
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.params import init_params, to_serving
-from eagle3_jax.model.target import KVCache, causal_mask, forward, prefill
+from eagle3_jax.model.params import is_spec, param_specs, to_serving
+from eagle3_jax.model.target import KVCache, causal_mask, forward
 from cpu_features import has_avx512
 
 TREES = {
@@ -35,14 +35,29 @@ TREES = {
 }
 
 
+def random_params(specs, seed, scale):
+    """Random weights of the shapes ``specs`` give (a tree of ParamSpec), drawn with NumPy
+    (jax.random compiles a program per shape): normal(0, scale) matrices, norm scales
+    1 + normal(0, 0.1), other vectors (biases) normal(0, 0.1)."""
+    rng = np.random.default_rng(seed)
+
+    def draw(spec):
+        noise = rng.standard_normal(spec.shape).astype(np.float32)
+        if spec.init == "normal":
+            return jnp.asarray(scale * noise)
+        return jnp.asarray((1.0 if spec.init == "ones" else 0.0) + np.float32(0.1) * noise)
+
+    return jax.tree.map(draw, specs, is_leaf=is_spec)
+
+
 def make_models(vocab=96, draft_vocab=48, seed=0, scale=0.3):
     cfg = TargetConfig(arch="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64,
                        num_layers=6, num_heads=4, num_kv_heads=2, head_dim=8,
                        tie_word_embeddings=True, max_position_embeddings=512)
-    params = to_serving(init_params(cfg, jax.random.key(seed), scale=scale), cfg)
+    params = to_serving(random_params(param_specs(cfg), seed, scale), cfg)
     dcfg = DraftConfig.for_target(cfg, draft_vocab_size=draft_vocab)
     used = np.sort(np.random.default_rng(seed).choice(vocab, draft_vocab, replace=False))
-    head = DraftHead(params=init_draft_params(dcfg, jax.random.key(seed + 1), scale=0.3),
+    head = DraftHead(params=random_params(draft_param_specs(dcfg), seed + 1, 0.3),
                      vocab=VocabMap.from_used_ids(used, vocab), cfg=dcfg)
     return cfg, params, head
 
@@ -52,12 +67,35 @@ def models():
     return make_models()
 
 
-def _prompts(lengths, vocab, seed=3):
-    width = max(lengths)
-    tokens = np.array(jax.random.randint(jax.random.key(seed), (len(lengths), width), 0, vocab))
+def _prompts(lengths, vocab, seed=3, width=None):
+    """Random prompts of ``lengths``, right-padded with 0 to ``width`` (default the longest)."""
+    width = width or max(lengths)
+    tokens = np.random.default_rng(seed).integers(0, vocab, (len(lengths), width))
     for i, n in enumerate(lengths):
         tokens[i, n:] = 0
     return jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
+
+
+# The greedy end-to-end runs decode one prompt batch for one length, so plain ``generate`` of it
+# compiles once per file and each tree's (each fallback's) ``generate_eagle`` once. The lengths
+# mix a one-token prompt, short ones, and two that cross the 16-token chunks of a chunked
+# prefill (test_greedy_after_a_chunked_prefill_equals_plain_greedy): the width, 64, is a
+# multiple of the chunk. NEW is one token (the prefill's), ten full rounds of the depth-3
+# oracle trees (4 tokens each) and a round cut after 2 tokens by the limit.
+LENGTHS, WIDTH, NEW = [37, 5, 1, 21], 64, 43
+
+
+@pytest.fixture(scope="module")
+def prompts(models):
+    """The greedy runs' prompts: tokens [4, WIDTH], lengths [4]."""
+    return _prompts(LENGTHS, models[0].vocab_size, width=WIDTH)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(models, prompts):
+    """Plain greedy decoding of ``prompts``, NEW tokens: the reference of the greedy runs."""
+    cfg, params, _ = models
+    return generate(params, cfg, *prompts, max_new_tokens=NEW)
 
 
 @pytest.mark.parametrize("sixteen_bit", [False, True], ids=["float32", "bfloat16_values"])
@@ -73,7 +111,7 @@ def test_serving_layout_computes_the_trained_draft_step(models, variant, sixteen
     from eagle3_jax.kernels.library import kernels_in_use
     cfg, _, head = models
     dcfg = dataclasses.replace(head.cfg, **variant)
-    trained = init_draft_params(dcfg, jax.random.key(7), scale=0.3)
+    trained = random_params(draft_param_specs(dcfg), 7, 0.3)
     if sixteen_bit:
         trained = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(a.dtype), trained)
     serving = DraftHead(params=trained, vocab=head.vocab, cfg=dcfg).serving()
@@ -101,24 +139,25 @@ def test_serving_layout_computes_the_trained_draft_step(models, variant, sixteen
 
 
 @pytest.mark.parametrize("tree", list(TREES), ids=list(TREES))
-def test_greedy_equals_plain_greedy(models, tree):
+def test_greedy_equals_plain_greedy(models, prompts, plain_greedy, tree):
     cfg, params, head = models
-    tokens, lengths = _prompts([13, 5, 1, 9], cfg.vocab_size)
-    plain = generate(params, cfg, tokens, lengths, max_new_tokens=40)
-    out = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=40, tree=TREES[tree])
+    plain = plain_greedy
+    out = generate_eagle(params, cfg, head, *prompts, max_new_tokens=NEW, tree=TREES[tree])
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     np.testing.assert_array_equal(out.num_generated, plain.num_generated)
 
 
-def test_greedy_after_a_chunked_prefill_equals_plain_greedy(models, monkeypatch):
+def test_greedy_after_a_chunked_prefill_equals_plain_greedy(models, prompts, plain_greedy,
+                                                            monkeypatch):
     """The prefill run as forwards of 16 tokens (what the CPU kernels' policy does for long
     prompts; this model is too small for them): the taps past the last chunk are zeros, and
     EAGLE still decodes what plain decoding with one prefill forward decodes."""
     import eagle3_jax.model.target as target
 
     cfg, params, head = models
-    tokens, lengths = _prompts([37, 6, 21], cfg.vocab_size, seed=8)
-    tokens = jnp.pad(tokens, ((0, 0), (0, 64 - tokens.shape[1])))
+    # The reference, plain decoding of the same prompts, ran its prefill as one forward: the
+    # policy gives no chunk for this model.
+    assert target.prefill_chunk(cfg, WIDTH) is None
     widths = []
 
     def chunks_of(size):
@@ -127,73 +166,80 @@ def test_greedy_after_a_chunked_prefill_equals_plain_greedy(models, monkeypatch)
             return size
         return policy
 
-    monkeypatch.setattr(target, "prefill_chunk", chunks_of(None))
-    plain = generate(params, cfg, tokens, lengths, max_new_tokens=33)
     monkeypatch.setattr(target, "prefill_chunk", chunks_of(16))
-    out = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=33,
-                         tree=TREES["wide"])
-    assert widths == [(None, 64), (16, 64)]  # both traced with these policies
-    np.testing.assert_array_equal(out.tokens, plain.tokens)
-    np.testing.assert_array_equal(out.num_generated, plain.num_generated)
+    # Fewer tokens than the wide tree's greedy run: another program, traced with this policy;
+    # greedy decoding's first tokens are those of the longer reference.
+    new = NEW - 8
+    out = generate_eagle(params, cfg, head, *prompts, max_new_tokens=new, tree=TREES["wide"])
+    assert widths == [(16, WIDTH)]  # traced with this policy
+    np.testing.assert_array_equal(out.tokens, plain_greedy.tokens[:, :new])
+    np.testing.assert_array_equal(out.num_generated, np.minimum(plain_greedy.num_generated, new))
 
 
-def test_a_head_of_bfloat16_values_decodes_losslessly(models):
+def test_a_head_of_bfloat16_values_decodes_losslessly(models, prompts, plain_greedy):
     """A head of bfloat16 values, served from bfloat16 matrices on CPU: EAGLE greedy equals
     plain greedy, and (on a CPU without AVX-512, where both are the same instructions after
     the widening) the draft accepts exactly what the float32-held head accepts."""
     cfg, params, head = models
     rounded = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(a.dtype), head.params)
     head16 = DraftHead(params=rounded, vocab=head.vocab, cfg=head.cfg)
-    tokens, lengths = _prompts([13, 5], cfg.vocab_size)
-    plain = generate(params, cfg, tokens, lengths, max_new_tokens=30)
-    out = generate_eagle(params, cfg, head16, tokens, lengths, max_new_tokens=30,
-                         tree=TREES["wide"])
-    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    out = generate_eagle(params, cfg, head16, *prompts, max_new_tokens=NEW, tree=TREES["wide"])
+    np.testing.assert_array_equal(out.tokens, plain_greedy.tokens)
     if has_avx512():
         return  # float32 weights run the AVX-512 form there: other sums, near-ties may flip
     from eagle3_jax.draft.params import to_serving
     held32 = head16.replace(params=to_serving(rounded))  # serving layout, float32 matrices
-    out32 = generate_eagle(params, cfg, held32, tokens, lengths, max_new_tokens=30,
+    out32 = generate_eagle(params, cfg, held32, *prompts, max_new_tokens=NEW,
                            tree=TREES["wide"])
     np.testing.assert_array_equal(out.accept_hist, out32.accept_hist)
 
 
-def test_eagle31_head_greedy_equals_plain_greedy():
+def test_eagle31_head_greedy_equals_plain_greedy(models, prompts, plain_greedy):
     """An EAGLE-3.1 head (tap norms, normed recurrent feature) through the whole decoder."""
-    cfg, params, head = make_models(seed=1)
-    dcfg = dataclasses.replace(head.cfg, fc_norm=True, norm_output=True)
-    head = DraftHead(params=init_draft_params(dcfg, jax.random.key(5), scale=0.3),
-                     vocab=head.vocab, cfg=dcfg)
-    tokens, lengths = _prompts([13, 5], cfg.vocab_size)
-    plain = generate(params, cfg, tokens, lengths, max_new_tokens=24)
-    out = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=24,
-                         tree=TREES["wide"])
-    np.testing.assert_array_equal(out.tokens, plain.tokens)
-
-
-def test_each_row_equals_its_batch_of_one(models):
     cfg, params, head = models
-    tokens, lengths = _prompts([11, 4, 7], cfg.vocab_size, seed=5)
-    eos = (7,)
-    batched = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=30,
+    dcfg = dataclasses.replace(head.cfg, fc_norm=True, norm_output=True)
+    head = DraftHead(params=random_params(draft_param_specs(dcfg), 5, 0.3),
+                     vocab=head.vocab, cfg=dcfg)
+    out = generate_eagle(params, cfg, head, *prompts, max_new_tokens=NEW, tree=TREES["wide"])
+    np.testing.assert_array_equal(out.tokens, plain_greedy.tokens)
+
+
+@pytest.fixture(scope="module")
+def eos_id(plain_greedy):
+    """A token row 0 of the greedy runs produces: with it as EOS, row 0 must stop before it."""
+    return int(plain_greedy.tokens[0, 5])
+
+
+def test_each_row_equals_its_batch_of_one(models, prompts, eos_id):
+    cfg, params, head = models
+    tokens, lengths = prompts
+    eos = (eos_id,)
+    # The same run as test_eos_stops_a_row_and_matches_plain's (one program for both).
+    batched = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=NEW,
                              tree=TREES["default"], eos_token_ids=eos)
-    for row in range(3):
+    for row in range(len(LENGTHS)):
         alone = generate_eagle(params, cfg, head, tokens[row:row + 1], lengths[row:row + 1],
-                               max_new_tokens=30, tree=TREES["default"], eos_token_ids=eos)
+                               max_new_tokens=NEW, tree=TREES["default"], eos_token_ids=eos)
         np.testing.assert_array_equal(batched.tokens[row], alone.tokens[0])
         assert int(batched.rounds[row]) == int(alone.rounds[0])
 
 
-def test_eos_stops_a_row_and_matches_plain(models):
+def test_eos_stops_a_row_and_matches_plain(models, prompts, plain_greedy, eos_id):
+    """With an EOS id, each row is plain greedy decoding's tokens up to its first EOS (not
+    written), and stops there: what plain decoding with that EOS gives (tests/test_generate.py,
+    test_eos_stops_its_row_and_others_continue, holds it to the same reference)."""
     cfg, params, head = models
-    tokens, lengths = _prompts([8, 6], cfg.vocab_size, seed=11)
-    plain = generate(params, cfg, tokens, lengths, max_new_tokens=30)
-    eos = int(plain.tokens[0, 5])  # a token row 0 produces: it must stop right before it
-    plain = generate(params, cfg, tokens, lengths, max_new_tokens=30, eos_token_ids=(eos,))
-    out = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=30,
-                         eos_token_ids=(eos,))
-    np.testing.assert_array_equal(out.tokens, plain.tokens)
-    np.testing.assert_array_equal(out.hit_eos, plain.hit_eos)
+    out = generate_eagle(params, cfg, head, *prompts, max_new_tokens=NEW, tree=TREES["default"],
+                         eos_token_ids=(eos_id,))
+    tokens = np.asarray(out.tokens)
+    for row in range(len(LENGTHS)):
+        plain = np.asarray(plain_greedy.tokens[row, :int(plain_greedy.num_generated[row])])
+        plain = plain.tolist()
+        hit = eos_id in plain
+        expected = plain[:plain.index(eos_id)] if hit else plain
+        assert tokens[row, :len(expected)].tolist() == expected, row
+        assert (tokens[row, len(expected):] == -1).all(), row
+        assert int(out.num_generated[row]) == len(expected) and bool(out.hit_eos[row]) == hit
     assert bool(out.hit_eos[0]) and int(out.num_generated[0]) <= 5
 
 
@@ -204,15 +250,17 @@ def oracle_proposer(target_params, head, state, cfg, tree_cfg):
     """A 'draft' that knows the target's greedy continuation: the chain of the next ``depth``
     greedy tokens, plus wrong siblings to fill the tree."""
     depth, b = tree_cfg.depth, state.root.shape[0]
-    cache, token, chain = state.cache, state.root, []
-    for i in range(depth):
-        end = cache.end + i
+
+    def greedy_next(carry, i):  # a scan: one target forward in the program, not ``depth``
+        cache, token = carry
+        end = state.cache.end + i
         out = forward(target_params, cfg, token[:, None], end[:, None],
                       causal_mask(end, 1, cache.max_len), dataclasses.replace(cache, end=end))
-        cache = dataclasses.replace(out.cache, end=state.cache.end)
         token = jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
-        chain.append(token)
-    chain = jnp.stack(chain, 1)  # [B, depth]
+        return (dataclasses.replace(out.cache, end=state.cache.end), token), token
+
+    _, chain = jax.lax.scan(greedy_next, (state.cache, state.root), jnp.arange(depth))
+    chain = chain.T  # [B, depth]
     n = tree_cfg.total_tokens
     siblings = n - 1 - depth  # attached to chain nodes 0.. (root included), wrong tokens
     parents = [-1] + list(range(depth)) + [i % depth for i in range(siblings)]
@@ -225,33 +273,34 @@ def oracle_proposer(target_params, head, state, cfg, tree_cfg):
 
 @pytest.mark.parametrize("tree", [TreeConfig.chain(3), TreeConfig(tree_top_k=2, depth=3,
                                                                   total_tokens=7)])
-def test_oracle_draft_reaches_max_acceptance(models, tree):
+def test_oracle_draft_reaches_max_acceptance(models, prompts, plain_greedy, tree):
     cfg, params, head = models
-    tokens, lengths = _prompts([9, 4], cfg.vocab_size)
-    max_new = 1 + 5 * (tree.depth + 1)  # the prefill token, then 5 full rounds
-    out = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=max_new, tree=tree,
+    full = 10  # the prefill token, 10 full rounds, then a round cut after 2 tokens
+    assert NEW == 1 + full * (tree.depth + 1) + 2
+    out = generate_eagle(params, cfg, head, *prompts, max_new_tokens=NEW, tree=tree,
                          proposer=oracle_proposer)
-    plain = generate(params, cfg, tokens, lengths, max_new_tokens=max_new)
-    np.testing.assert_array_equal(out.tokens, plain.tokens)
-    np.testing.assert_array_equal(out.rounds, [5, 5])
+    np.testing.assert_array_equal(out.tokens, plain_greedy.tokens)
+    np.testing.assert_array_equal(out.rounds, [full + 1] * len(LENGTHS))
     hist = np.asarray(out.accept_hist)
-    assert (hist[:, tree.depth + 1] == 5).all() and hist.sum() == 10  # tau = depth + 1
+    assert (hist[:, tree.depth + 1] == full).all()  # tau = depth + 1 in every full round
+    assert (hist[:, 2] == 1).all() and hist.sum() == (full + 1) * len(LENGTHS)
 
 
-def test_accept_hist_counts_emitted_tokens_only(models):
+def test_accept_hist_counts_emitted_tokens_only(models, prompts):
     """A round cut by max_new_tokens counts the tokens it emitted, not those it verified: the
     rounds' tokens add up to every generated token but the prefill's."""
     cfg, params, head = models
     tree = TreeConfig.chain(3)
-    tokens, lengths = _prompts([9, 4], cfg.vocab_size)
-    max_new = 1 + 2 * (tree.depth + 1) + 2  # two full rounds, then a round cut after 2 tokens
-    out = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=max_new, tree=tree,
+    # Ten full rounds, then a round cut after 2 tokens (test_oracle_draft_reaches_max_acceptance's
+    # run of this tree: one program for both).
+    assert NEW == 1 + 10 * (tree.depth + 1) + 2
+    out = generate_eagle(params, cfg, head, *prompts, max_new_tokens=NEW, tree=tree,
                          proposer=oracle_proposer)
     hist = np.asarray(out.accept_hist)
-    np.testing.assert_array_equal(out.rounds, [3, 3])
+    np.testing.assert_array_equal(out.rounds, [11] * len(LENGTHS))
     np.testing.assert_array_equal((hist * np.arange(hist.shape[1])).sum(1),
                                   np.asarray(out.num_generated) - 1)
-    assert (hist[:, 2] == 1).all() and (hist[:, tree.depth + 1] == 2).all()
+    assert (hist[:, 2] == 1).all() and (hist[:, tree.depth + 1] == 10).all()
 
 
 # ---------------------------------------------------------------------------- tree invariants
@@ -272,20 +321,64 @@ def _python_ancestors(parents):
 _jit_prefill = jax.jit(_prefill, static_argnames=("cfg", "tree_cfg", "sampling", "eos_token_ids",
                                                   "max_new_tokens", "max_len"))
 _jit_forward = jax.jit(forward, static_argnums=1, static_argnames=("tap_layers",))
-_jit_draft_step = jax.jit(draft_step_cached, static_argnums=1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tree_cfgs"))
+def _first_trees(params, head, tokens, lengths, *, cfg, tree_cfgs):
+    """For each tree config: the state after the prefill (16 new tokens, 64 slots) and the draft
+    tree of the first round grown from it. One program for all (their target prefills are the
+    same computation, compiled once)."""
+    out = []
+    for tree_cfg in tree_cfgs:
+        state = _prefill(params, head, tokens, lengths, jax.random.key(0), cfg=cfg,
+                         tree_cfg=tree_cfg, sampling=SamplingParams(), eos_token_ids=(),
+                         max_new_tokens=16, max_len=64)
+        out.append((state, eagle_mod.draft_proposer(params, head, state, cfg=cfg,
+                                                    tree_cfg=tree_cfg)[0]))
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_len"))
+def _from_scratch(params, head, seqs, following, *, cfg, max_len):
+    """Right-padded sequences seqs [B, S] run from empty caches of ``max_len`` slots: the
+    target's causal forward, and the draft over the same entries, entry s pairing the taps of
+    token s with the token ``following`` [B, S] s (the draft's prefill over that context).
+    Returns (the target's cache, the draft's logits [B, S, V_draft], its keys and values); a
+    row's entries before its length never see the padding."""
+    b, s = seqs.shape
+    positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+    mask = causal_mask(jnp.zeros((b,), jnp.int32), s, max_len)
+    ref = forward(params, cfg, seqs, positions, mask, KVCache.zeros(cfg, b, max_len),
+                  tap_layers=head.cfg.tap_layers)
+    _, logits, dk, dv = draft_step_cached(
+        head.params, head.cfg, params["embed"][following],
+        fuse_taps(head.params, head.cfg, ref.taps), positions, mask,
+        *empty_draft_cache(head.cfg, b, max_len), positions)
+    return ref.cache, logits, dk, dv
+
+
+def _right_padded(rows):
+    """Token rows of different lengths as one int32 batch [B, longest], 0-padded."""
+    out = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return jnp.asarray(out)
+
+
+@pytest.fixture(scope="module")
+def first_trees(models):
+    """{tree name: (state after the prefill, the first round's draft tree)} for 3 prompts."""
+    cfg, params, head = models
+    tokens, lengths = _prompts([10, 3, 7], cfg.vocab_size)
+    grown = _first_trees(params, head, tokens, lengths, cfg=cfg, tree_cfgs=tuple(TREES.values()))
+    return dict(zip(TREES, jax.device_get(grown)))
 
 
 @pytest.mark.parametrize("tree", list(TREES), ids=list(TREES))
-def test_tree_invariants(models, tree):
+def test_tree_invariants(models, first_trees, tree):
     cfg, params, head = models
     tree_cfg = TREES[tree]
-    tokens, lengths = _prompts([10, 3, 7], cfg.vocab_size)
-    state = _jit_prefill(params, head, tokens, lengths, jax.random.key(0), cfg=cfg,
-                         tree_cfg=tree_cfg, sampling=SamplingParams(), eos_token_ids=(),
-                         max_new_tokens=16, max_len=64)
-    propose = jax.jit(eagle_mod.draft_proposer, static_argnames=("cfg", "tree_cfg"))
-    t = jax.device_get(propose(params, head, state, cfg=cfg, tree_cfg=tree_cfg)[0])
-    state = jax.device_get(state)
+    state, t = first_trees[tree]
     parents, depths = np.asarray(t.parents), np.asarray(t.depths)
     n = tree_cfg.total_tokens
     assert t.tokens.shape == (3, n)
@@ -338,32 +431,31 @@ def test_commit_equals_recomputing_the_caches(models):
     step = jax.jit(functools.partial(_round, proposer=oracle_proposer, **kw))
     for _ in range(3):
         state = step(params, head, state)
+    state = jax.device_get(state)
+    committed, following = [], []
     for b in range(2):
         n_prompt, end = int(lengths[b]), int(state.cache.end[b])
         emitted = np.asarray(state.out.tokens[b, : int(state.out.num_generated[b])])
-        committed = np.concatenate([np.asarray(tokens[b, :n_prompt]), emitted[:-1]])
-        assert len(committed) == end and emitted[-1] == int(state.root[b])
-        seq = jnp.asarray(committed)[None]
-        ref = _jit_forward(params, cfg, seq, jnp.arange(end)[None],
-                           causal_mask(jnp.zeros((1,), jnp.int32), end, 64),
-                           KVCache.zeros(cfg, 1, 64), tap_layers=head.cfg.tap_layers)
+        committed.append(np.concatenate([np.asarray(tokens[b, :n_prompt]), emitted[:-1]]))
+        assert len(committed[b]) == end and emitted[-1] == int(state.root[b])
+        following.append(np.append(committed[b][1:], emitted[-1]))
+    # Both rows from scratch in one batch (the draft's from the target's taps there).
+    ref_cache, _, dk, _ = jax.device_get(_from_scratch(
+        params, head, _right_padded(committed), _right_padded(following), cfg=cfg, max_len=64))
+    for b in range(2):
+        end = len(committed[b])
         # Keys [B, K, H, S] and values [B, K, S, H], compared slot-major, layer by layer to
         # float32 round-off relative to the layer's scale: the tree verification and the prefill
         # sum in different orders (other row counts, other attention blocks).
-        for got, want in ((state.cache.k, ref.cache.k), (state.cache.v, ref.cache.v)):
+        for got, want in ((state.cache.k, ref_cache.k), (state.cache.v, ref_cache.v)):
             if got is state.cache.k:
                 got, want = [x.swapaxes(-1, -2) for x in got], [x.swapaxes(-1, -2) for x in want]
             for g_layer, w_layer in zip(got, want):
-                w_layer = np.asarray(w_layer)[0, :, :end]
+                w_layer = np.asarray(w_layer)[b, :, :end]
                 np.testing.assert_allclose(np.asarray(g_layer)[b, :, :end], w_layer,
                                            atol=1e-5 * np.abs(w_layer).max())
         # The draft cache equals a draft prefill over the same context from scratch.
-        nxt = jnp.asarray(np.append(committed[1:], emitted[-1]))[None]
-        _, _, dk, _ = _jit_draft_step(head.params, head.cfg, params["embed"][nxt],
-                                        fuse_taps(head.params, head.cfg, ref.taps), jnp.arange(end)[None],
-                                        causal_mask(jnp.zeros((1,), jnp.int32), end, 64),
-                                        *empty_draft_cache(head.cfg, 1, 64), jnp.arange(end)[None])
-        np.testing.assert_allclose(state.draft_k[b, ..., :end], dk[0, ..., :end], atol=2e-5)
+        np.testing.assert_allclose(state.draft_k[b, ..., :end], dk[b, ..., :end], atol=2e-5)
 
 
 # ---------------------------------------------------------------- lossless sampling (exact)
@@ -389,14 +481,27 @@ def _exact_joint(params, cfg, prompt, sampling, k=2):
     return (joint[:, None] * p[:, k - 1]).reshape((v,) * k)
 
 
-def _sample_pairs(params, cfg, head, prompt, sampling, samples, seed):
-    tokens = jnp.broadcast_to(prompt, (samples, prompt.shape[0]))
-    lengths = jnp.full((samples,), prompt.shape[0], jnp.int32)
-    out = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=2,
-                         tree=TreeConfig(tree_top_k=3, depth=2, total_tokens=6), sampling=sampling,
-                         key=jax.random.key(seed))
-    assert (np.asarray(out.num_generated) == 2).all()
-    return np.asarray(out.tokens)
+def _sampled(cfg, params, head, prompt, samples, new, tree, fallback, seed,
+             sampling=SAMPLERS[0]):
+    """``samples`` rows of ``prompt``, each sampled ``new`` tokens with ``fallback``: what the
+    sampling tests compare with the exact joint."""
+    width = len(prompt)
+    out = generate_eagle(params, cfg, head,
+                         jnp.broadcast_to(jnp.asarray(prompt, jnp.int32), (samples, width)),
+                         jnp.full((samples,), width, jnp.int32), max_new_tokens=new, tree=tree,
+                         sampling=sampling, key=jax.random.key(seed), fallback=fallback)
+    assert (np.asarray(out.num_generated) == new).all()
+    return out
+
+
+# The tiny model's sampled runs: SAMPLES rows of PROMPT, three tokens each: the prefill's, round
+# 1's, and (where round 1 accepted nothing) a plain step's, as the fallback gives up drafting
+# after round 1 (never to resume). One program per sampler serves the tests of a round's tokens
+# (the first two of each row: round 1 is the same round with or without a fallback) and of the
+# plain step after it (all three).
+PROMPT, SAMPLES = [1, 5, 2, 7, 3], 8000
+AFTER_ROUND_1 = dict(new=3, tree=TreeConfig(tree_top_k=3, depth=2, total_tokens=6),
+                     fallback=eagle_mod.Fallback(50.0, probe_rounds=1, resume_window=0), seed=1)
 
 
 def _chi_square_pvalue(samples, exact):
@@ -414,15 +519,30 @@ def _chi_square_pvalue(samples, exact):
 
 @pytest.fixture(scope="module")
 def tiny_vocab_models():
-    return make_models(vocab=8, draft_vocab=8, seed=4, scale=0.5)
+    return make_models(vocab=8, draft_vocab=8, seed=3, scale=0.5)
+
+
+@pytest.fixture(scope="module")
+def tiny_samples(tiny_vocab_models):
+    """``tiny_samples(sampling)``: the tiny model's sampled run (AFTER_ROUND_1) with that
+    sampler, run once."""
+    runs = {}
+
+    def run(sampling):
+        if sampling not in runs:
+            runs[sampling] = _sampled(*tiny_vocab_models, PROMPT, SAMPLES, **AFTER_ROUND_1,
+                                      sampling=sampling)
+        return runs[sampling]
+
+    return run
 
 
 @pytest.mark.parametrize("sampling", SAMPLERS, ids=["t1", "t0.7-k5-p0.9"])
-def test_sampling_is_lossless(tiny_vocab_models, sampling):
+def test_sampling_is_lossless(tiny_vocab_models, tiny_samples, sampling):
+    """The prefill's token and round 1's follow the exact joint."""
     cfg, params, head = tiny_vocab_models
-    prompt = jnp.asarray([1, 5, 2, 7, 3], jnp.int32)
-    exact = _exact_joint(params, cfg, prompt, sampling)
-    pairs = _sample_pairs(params, cfg, head, prompt, sampling, samples=6000, seed=0)
+    exact = _exact_joint(params, cfg, jnp.asarray(PROMPT, jnp.int32), sampling)
+    pairs = np.asarray(tiny_samples(sampling).tokens)[:, :2]
     assert _chi_square_pvalue(pairs, exact) > 1e-3
 
 
@@ -453,19 +573,6 @@ def _biased_accept(key, tree, logits, sampling, top_k):
     return Acceptance(path=jnp.stack(path, 1), num_accepted=count, bonus=bonus.astype(jnp.int32))
 
 
-def test_chi_square_catches_a_biased_acceptance_rule(tiny_vocab_models, monkeypatch):
-    cfg, params, head = tiny_vocab_models
-    prompt = jnp.asarray([1, 5, 2, 7, 3], jnp.int32)
-    sampling = SAMPLERS[0]
-    monkeypatch.setattr(eagle_mod, "accept", _biased_accept)
-    driver._loop_jit.clear_cache()
-    try:
-        pairs = _sample_pairs(params, cfg, head, prompt, sampling, samples=6000, seed=0)
-    finally:
-        driver._loop_jit.clear_cache()
-    assert _chi_square_pvalue(pairs, _exact_joint(params, cfg, prompt, sampling)) < 1e-6
-
-
 def test_greedy_acceptance_is_the_rejection_walk_with_one_hot_targets():
     """The greedy walk (argmax tokens only) against the general walk with p one-hot at the
     argmax (top_k = 1 sampling): same paths, counts and bonus tokens, on random trees whose
@@ -488,8 +595,13 @@ def test_greedy_acceptance_is_the_rejection_walk_with_one_hot_targets():
     tree = tree_from_parents(jnp.asarray(tokens, jnp.int32), jnp.asarray(parents, jnp.int32),
                              depth)
     key = jax.random.PRNGKey(3)
-    greedy = accept(key, tree, jnp.asarray(logits), SamplingParams(), top_k)
-    walk = accept(key, tree, jnp.asarray(logits), SamplingParams(1.0, top_k=1), top_k)
+
+    @jax.jit  # both walks in one program (op by op, the general walk compiles each of its ops)
+    def walks(key, tree, logits):
+        return (accept(key, tree, logits, SamplingParams(), top_k),
+                accept(key, tree, logits, SamplingParams(1.0, top_k=1), top_k))
+
+    greedy, walk = walks(key, tree, jnp.asarray(logits))
     for field in ("path", "num_accepted", "bonus"):
         np.testing.assert_array_equal(getattr(greedy, field), getattr(walk, field), field)
     assert len(set(np.asarray(greedy.num_accepted).tolist())) >= 4
@@ -526,17 +638,19 @@ def test_fallback_gives_a_noisy_probe_the_benefit_of_one_standard_error():
                                       jnp.asarray([[0, 4, 1], [0, 4, 1]])))
 
 
-def test_fallback_gives_up_a_weak_draft_and_stays_lossless(models):
+# A fallback a random head never pays for: it gives up after the probe rounds.
+GIVES_UP = dict(tree=TREES["wide"], fallback=eagle_mod.Fallback(50.0, probe_rounds=4))
+
+
+def test_fallback_gives_up_a_weak_draft_and_stays_lossless(models, prompts, plain_greedy):
     """A random head cannot reach an unreachable break-even: after the probe rounds every step
     is a plain decode step, and the output is still plain greedy decoding's, token for token."""
     cfg, params, head = models
-    tokens, lengths = _prompts([13, 5, 1, 9], cfg.vocab_size)
-    plain = generate(params, cfg, tokens, lengths, max_new_tokens=40)
-    out = generate_eagle(params, cfg, head, tokens, lengths, max_new_tokens=40,
-                         tree=TREES["wide"], fallback=eagle_mod.Fallback(50.0, probe_rounds=4))
+    plain = plain_greedy
+    out = generate_eagle(params, cfg, head, *prompts, max_new_tokens=NEW, **GIVES_UP)
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     np.testing.assert_array_equal(out.num_generated, plain.num_generated)
-    live = np.asarray(plain.num_generated) == 40  # rows that did not stop early
+    live = np.asarray(plain.num_generated) == NEW  # rows that did not stop early
     np.testing.assert_array_equal(np.asarray(out.rounds)[live], 4)
     hist = np.asarray(out.accept_hist)
     emitted = (hist * np.arange(hist.shape[1])).sum(1)
@@ -547,37 +661,26 @@ def test_fallback_gives_up_a_weak_draft_and_stays_lossless(models):
 
 
 @pytest.mark.parametrize("margin, gives_up", [(-0.5, False), (0.5, True)])
-def test_fallback_keeps_a_draft_that_pays(models, margin, gives_up):
+def test_fallback_keeps_a_draft_that_pays(models, prompts, margin, gives_up):
     """The oracle draft emits depth + 1 tokens a round: a break-even just below keeps it
     drafting to the end (the same rounds as without a fallback), just above gives up."""
     cfg, params, head = models
     tree = TreeConfig.chain(3)
-    tokens, lengths = _prompts([9, 4], cfg.vocab_size)
-    kw = dict(max_new_tokens=1 + 12 * (tree.depth + 1), tree=tree, proposer=oracle_proposer)
-    base = generate_eagle(params, cfg, head, tokens, lengths, **kw)
-    out = generate_eagle(params, cfg, head, tokens, lengths, **kw,
-                         fallback=eagle_mod.Fallback(tree.depth + 1 + margin, probe_rounds=8))
+    # The base run is test_oracle_draft_reaches_max_acceptance's (one program for both). The
+    # fallbacks never resume (resume_window 0): giving up is for good, a smaller program.
+    kw = dict(max_new_tokens=NEW, tree=tree, proposer=oracle_proposer)
+    base = generate_eagle(params, cfg, head, *prompts, **kw)
+    out = generate_eagle(params, cfg, head, *prompts, **kw,
+                         fallback=eagle_mod.Fallback(tree.depth + 1 + margin, probe_rounds=8,
+                                                     resume_window=0))
     np.testing.assert_array_equal(out.tokens, base.tokens)
-    if gives_up:
-        np.testing.assert_array_equal(out.rounds, [8, 8])
-        assert (np.asarray(out.plain_steps) == 4 * (tree.depth + 1)).all()
+    if gives_up:  # 8 rounds, then a plain step for each token left
+        np.testing.assert_array_equal(out.rounds, [8] * len(LENGTHS))
+        assert (np.asarray(out.plain_steps) == NEW - 1 - 8 * (tree.depth + 1)).all()
     else:
         np.testing.assert_array_equal(out.rounds, base.rounds)
         np.testing.assert_array_equal(out.accept_hist, base.accept_hist)
         assert not np.asarray(out.plain_steps).any()
-
-
-def test_fallback_streams_the_same_tokens(models):
-    cfg, params, head = models
-    tokens, lengths = _prompts([7, 11], cfg.vocab_size, seed=5)
-    kw = dict(max_new_tokens=24, tree=TREES["deep"],
-              fallback=eagle_mod.Fallback(50.0, probe_rounds=2))
-    out = generate_eagle(params, cfg, head, tokens, lengths, **kw)
-    steps = list(eagle_mod.generate_eagle_stream(params, cfg, head, tokens, lengths, **kw))
-    for row in range(2):
-        streamed = np.concatenate([step[row] for step in steps])
-        np.testing.assert_array_equal(streamed, np.asarray(out.tokens[row, :len(streamed)]))
-        assert len(streamed) == int(out.num_generated[row])
 
 
 def test_fallback_resumes_where_the_drafts_top1_would_pay():
@@ -612,21 +715,31 @@ class _Flapping(eagle_mod.Fallback):
         return jnp.bool_(True)
 
 
-def test_fallback_that_resumes_stays_lossless_and_its_draft_caught_up(models):
+# Rounds, plain steps, the draft's catch-up and rounds again, over and over.
+FLAPS = dict(tree=TREES["wide"], fallback=_Flapping(50.0, probe_rounds=2, resume_window=5))
+
+
+@pytest.fixture(scope="module")
+def flapping_run(models, prompts):
+    """``prompts`` decoded with FLAPS in one jitted call that also returns the caches:
+    (the decoding, its tokens and lengths, the output, the caches)."""
+    cfg, params, head = models
+    spec, tokens, lengths = eagle_mod.eagle_decoding(
+        cfg, head.serving(), *prompts, max_new_tokens=NEW, **FLAPS)
+    run = driver.compile_run(spec, (params, head.serving()), tokens, lengths, keep=True)
+    out, caches = run((params, head.serving()), tokens, lengths, jax.random.PRNGKey(0))
+    return spec, tokens, lengths, out, caches
+
+
+def test_fallback_that_resumes_stays_lossless_and_its_draft_caught_up(models, plain_greedy,
+                                                                     flapping_run):
     """Rounds, plain steps, the draft's catch-up, rounds again, many times over: the output is
     plain greedy decoding's; each probe gives up after its own ``probe_rounds`` rounds; and the
     draft's cache at the end holds, entry for entry, what a fresh prefill of the whole sequence
     gives it (the catch-ups read the right taps at the right slots)."""
     cfg, params, head = models
-    tokens, lengths = _prompts([13, 5, 9], cfg.vocab_size)
-    plain = generate(params, cfg, tokens, lengths, max_new_tokens=60)
-    fallback = _Flapping(50.0, probe_rounds=2, resume_window=5)
-    spec, tokens, lengths = eagle_mod.eagle_decoding(
-        cfg, head.serving(), tokens, lengths, max_new_tokens=60, tree=TREES["wide"],
-        fallback=fallback)
-    run = driver.compile_run(spec, (params, head.serving()), tokens, lengths, keep=True)
-    out, caches = run((params, head.serving()), tokens, lengths, jax.random.PRNGKey(0))
-    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    spec, tokens, lengths, out, caches = flapping_run
+    np.testing.assert_array_equal(out.tokens, plain_greedy.tokens)
     rounds, resumes = np.asarray(out.rounds), np.asarray(out.resumes)
     assert (resumes >= 4).all() and (np.asarray(out.plain_steps) > 0).all()
     assert ((2 * resumes + 1 <= rounds) & (rounds <= 2 * resumes + 2)).all()
@@ -634,31 +747,35 @@ def test_fallback_that_resumes_stays_lossless_and_its_draft_caught_up(models):
     emitted = (hist * np.arange(hist.shape[1])).sum(1)
     np.testing.assert_array_equal(emitted + np.asarray(out.plain_steps),
                                   np.asarray(out.num_generated) - 1)
-    # A fresh prefill of prompt + answer (but its last token) pairs tap f_s with x_{s+1}.
+    # A fresh prefill of prompt + answer (but its last token) pairs tap f_s with x_{s+1}: every
+    # row's in one batch, right-padded (a row's entries never see the padding after it).
+    seqs = [np.concatenate([np.asarray(tokens[row, :int(lengths[row])]),
+                            np.asarray(out.tokens[row, :int(out.num_generated[row]) - 1])])
+            for row in range(tokens.shape[0])]
+    fresh = driver.start(spec, (params, head.serving()), _right_padded(seqs),
+                         jnp.asarray(list(map(len, seqs)), jnp.int32), jax.random.PRNGKey(0))
     draft_end = np.asarray(caches.draft_end)
-    for row in range(tokens.shape[0]):
-        seq = np.concatenate([np.asarray(tokens[row, :int(lengths[row])]),
-                              np.asarray(out.tokens[row, :int(out.num_generated[row]) - 1])])
-        fresh = spec.prefill((params, head.serving()), jnp.asarray(seq)[None],
-                             jnp.asarray([len(seq)], jnp.int32), jax.random.PRNGKey(0))
+    window = FLAPS["fallback"].resume_window  # entries the draft may not have read yet
+    for row, seq in enumerate(seqs):
         n = len(seq) - 1  # entries whose next token the sequence holds
-        assert n - 5 <= draft_end[row] <= n + 1
+        assert n - window <= draft_end[row] <= n + 1
         n = min(n, int(draft_end[row]))
-        np.testing.assert_allclose(caches.draft_k[row, :, :, :n], fresh.draft_k[0, :, :, :n],
+        np.testing.assert_allclose(caches.draft_k[row, :, :, :n], fresh.draft_k[row, :, :, :n],
                                    rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(caches.draft_v[row, :, :n], fresh.draft_v[0, :, :n],
+        np.testing.assert_allclose(caches.draft_v[row, :, :n], fresh.draft_v[row, :, :n],
                                    rtol=1e-4, atol=1e-4)
 
 
-def test_fallback_that_resumes_streams_the_same_tokens(models):
+def test_fallback_streams_the_same_tokens(models, flapping_run):
+    """Streamed, a decoding with a fallback (rounds; plain steps once it gives up drafting; the
+    draft's catch-up; rounds again where it resumes) yields the tokens of the one jitted call,
+    step by step."""
     cfg, params, head = models
-    tokens, lengths = _prompts([7, 11], cfg.vocab_size, seed=5)
-    kw = dict(max_new_tokens=40, tree=TREES["deep"],
-              fallback=_Flapping(50.0, probe_rounds=2, resume_window=4))
-    out = generate_eagle(params, cfg, head, tokens, lengths, **kw)
-    assert (np.asarray(out.resumes) > 0).all()
-    steps = list(eagle_mod.generate_eagle_stream(params, cfg, head, tokens, lengths, **kw))
-    for row in range(2):
+    _, tokens, lengths, out, _ = flapping_run  # driver.run's loop, which also kept the caches
+    assert (np.asarray(out.plain_steps) > 0).all() and (np.asarray(out.resumes) > 0).all()
+    steps = list(eagle_mod.generate_eagle_stream(params, cfg, head, tokens, lengths,
+                                                 max_new_tokens=NEW, **FLAPS))
+    for row in range(len(LENGTHS)):
         streamed = np.concatenate([step[row] for step in steps])
         np.testing.assert_array_equal(streamed, np.asarray(out.tokens[row, :len(streamed)]))
         assert len(streamed) == int(out.num_generated[row])
@@ -681,37 +798,39 @@ def test_catch_up_counts_the_drafts_top1_hits_on_the_plain_steps_tokens(tiny_voc
 
     @dataclasses.dataclass(frozen=True)
     class Recording(eagle_mod.Fallback):
-        def resumes(self, hits, seen, depth):
-            handed.append((np.asarray(hits), np.asarray(seen)))
+        def resumes(self, hits, seen, depth):  # notes what it was handed, as the jit runs
+            jax.debug.callback(lambda h, s: handed.append((np.asarray(h), np.asarray(s))),
+                               hits, seen, ordered=True)
             return jnp.bool_(True)
 
     recording = Recording(50.0)
+    catch_up = jax.jit(eagle_mod._catch_up, static_argnums=(3, 4))
     catch_up_due = spec.phases[2][1]
     state = driver.start(spec, (params, head), tokens, lengths, jax.random.PRNGKey(0))
     windows = []  # (cache end, stale) at each catch-up
     while not bool(jnp.all(state.out.done)):
         if bool(catch_up_due(state)):
             windows.append((np.asarray(state.cache.end), np.asarray(state.stale)))
-            state = eagle_mod._catch_up(params, head, state, recording, spec.tree.depth)
+            state = catch_up(params, head, state, recording, spec.tree.depth)
         else:
             state = driver.advance(spec, (params, head), state)
     # What the last plain steps left (fewer entries than the scored ones) is read the same way.
     windows.append((np.asarray(state.cache.end), np.asarray(state.stale)))
-    eagle_mod._catch_up(params, head, state, recording, spec.tree.depth)
+    catch_up(params, head, state, recording, spec.tree.depth)
+    jax.effects_barrier()  # every catch-up has handed over its counts
+    assert len(handed) == len(windows)
     assert len(windows) >= 4 and 1 < windows[-1][1].min() <= eagle_mod.RESUME_SCORED
-    for row in range(2):
-        seq = np.concatenate([np.asarray(tokens[row, :int(lengths[row])]),
-                              np.asarray(state.out.tokens[row, :int(state.out.num_generated[row])])])
-        s = len(seq) - 1
-        taps = prefill(params, cfg, jnp.asarray(seq)[None], jnp.asarray([len(seq)], jnp.int32),
-                       spec.max_len, tap_layers=head.cfg.tap_layers).taps
-        positions = jnp.arange(s)[None]
-        _, logits, _, _ = draft_step_cached(
-            head.params, head.cfg, params["embed"][jnp.asarray(seq[1:])][None],
-            fuse_taps(head.params, head.cfg, taps[:, :s]), positions,
-            causal_mask(jnp.zeros((1,), jnp.int32), s, s), *empty_draft_cache(head.cfg, 1, s),
-            positions)
-        top1 = np.asarray(head.vocab.draft_to_target[jnp.argmax(logits[0], -1)])
+    seqs = [np.concatenate([np.asarray(tokens[row, :int(lengths[row])]),
+                            np.asarray(state.out.tokens[row, :int(state.out.num_generated[row])])])
+            for row in range(2)]
+    # The draft fresh over each sequence but its last token, entry s reading token s + 1: both
+    # rows in one batch, right-padded, with caches of just that many slots.
+    inputs = _right_padded([seq[:-1] for seq in seqs])
+    _, logits, _, _ = _from_scratch(params, head, inputs, _right_padded([seq[1:] for seq in seqs]),
+                                    cfg=cfg, max_len=inputs.shape[1])
+    top1s = np.asarray(head.vocab.draft_to_target)[np.argmax(np.asarray(logits), -1)]
+    for row, seq in enumerate(seqs):
+        top1 = top1s[row, :len(seq) - 1]
         for (end, stale), (hits, seen) in zip(windows, handed):
             first, last = end[row] - stale[row], end[row]  # entries first .. last - 1
             scored = range(max(first, last - 1 - eagle_mod.RESUME_SCORED), last - 1)
@@ -721,16 +840,13 @@ def test_catch_up_counts_the_drafts_top1_hits_on_the_plain_steps_tokens(tiny_voc
     assert 0 < total < sum(int(s.sum()) for _, s in handed)
 
 
-def test_sampling_after_a_fallback_is_lossless(tiny_vocab_models):
+def test_sampling_after_a_fallback_is_lossless(tiny_vocab_models, tiny_samples):
     """Round 1 drafts, then every step is plain: three sampled tokens (the prefill's, the
     round's, and a plain step's where the round accepted nothing) follow the exact joint."""
     cfg, params, head = tiny_vocab_models
-    prompt, samples = [1, 5, 2, 7, 3], 8000
-    out = _sampled_after_fallback(cfg, params, head, prompt, samples, 3,
-                                  TreeConfig(tree_top_k=3, depth=2, total_tokens=6),
-                                  eagle_mod.Fallback(50.0, probe_rounds=1), seed=1)
-    assert np.asarray(out.plain_steps).sum() > samples // 4  # the plain step made many t3
-    exact = _exact_joint(params, cfg, jnp.asarray(prompt, jnp.int32), SAMPLERS[0], k=3)
+    out = tiny_samples(SAMPLERS[0])
+    assert np.asarray(out.plain_steps).sum() > SAMPLES // 4  # the plain step made many t3
+    exact = _exact_joint(params, cfg, jnp.asarray(PROMPT, jnp.int32), SAMPLERS[0], k=3)
     assert _chi_square_pvalue(np.asarray(out.tokens), exact) > 1e-3
 
 
@@ -738,27 +854,15 @@ def test_sampling_after_a_resume_is_lossless():
     """Round 1 gives up, two plain steps, the draft's catch-up, and drafting resumes: where
     round 1 accepted nothing, the fifth token is the resumed round's. Five sampled tokens
     follow the exact joint (vocabulary 4: 1,024 cells)."""
-    cfg, params, head = make_models(vocab=4, draft_vocab=4, seed=4, scale=0.5)
+    cfg, params, head = make_models(vocab=4, draft_vocab=4, seed=3, scale=0.5)
     prompt, samples = [1, 3, 2, 0, 3], 16000
-    out = _sampled_after_fallback(cfg, params, head, prompt, samples, 5,
-                                  TreeConfig(tree_top_k=2, depth=2, total_tokens=5),
-                                  _Flapping(50.0, probe_rounds=1, resume_window=2), seed=2)
+    out = _sampled(cfg, params, head, prompt, samples, 5,
+                   TreeConfig(tree_top_k=2, depth=2, total_tokens=5),
+                   _Flapping(50.0, probe_rounds=1, resume_window=2), seed=2)
     resumed = (np.asarray(out.resumes) > 0) & (np.asarray(out.rounds) == 2)
     assert resumed.sum() > samples // 4, resumed.sum()  # many fifth tokens came from a resume
     exact = _exact_joint(params, cfg, jnp.asarray(prompt, jnp.int32), SAMPLERS[0], k=5)
     assert _chi_square_pvalue(np.asarray(out.tokens), exact) > 1e-3
-
-
-def _sampled_after_fallback(cfg, params, head, prompt, samples, new, tree, fallback, seed):
-    """``samples`` rows of ``prompt``, each sampled ``new`` tokens (SAMPLERS[0]) with
-    ``fallback``: what the two tests above compare with the exact joint."""
-    width = len(prompt)
-    out = generate_eagle(params, cfg, head,
-                         jnp.broadcast_to(jnp.asarray(prompt, jnp.int32), (samples, width)),
-                         jnp.full((samples,), width, jnp.int32), max_new_tokens=new, tree=tree,
-                         sampling=SAMPLERS[0], key=jax.random.key(seed), fallback=fallback)
-    assert (np.asarray(out.num_generated) == new).all()
-    return out
 
 
 def _target(cfg, params):
@@ -769,8 +873,18 @@ def _target(cfg, params):
                            tokenizer=SimpleNamespace(eos_token_ids=(), pad_token_id=0))
 
 
+@pytest.fixture(scope="module")
+def compile_cache():
+    """One cache of compiled generate functions for the decoders of the tests below: its keys
+    hold everything static about a call (the decoding, shapes, keep, prefix), so a decoder of
+    the same settings in another test reuses what an earlier one compiled."""
+    from eagle3_jax.decoding.decoders import CompileCache
+
+    return CompileCache()
+
+
 @pytest.mark.parametrize("gives_up", [False, True], ids=["drafting", "after a fallback"])
-def test_a_later_turn_starts_from_the_earlier_turns_caches(models, gives_up):
+def test_a_later_turn_starts_from_the_earlier_turns_caches(models, compile_cache, gives_up):
     """A chat's next prompt starts with the last prompt and (most of) its answer. Decoded from
     the caches the last call kept, plain and EAGLE decoding give exactly plain decoding's tokens
     from scratch, and EAGLE's draft sees what it sees from scratch (the same rounds and
@@ -785,18 +899,21 @@ def test_a_later_turn_starts_from_the_earlier_turns_caches(models, gives_up):
     target = _target(cfg, params)
     fallback = (lambda width, batch: eagle_mod.Fallback(50.0, probe_rounds=4)) if gives_up \
         else None
-    plain = PlainDecoder(target, SamplingParams(), 20, 0)
+    plain = PlainDecoder(target, SamplingParams(), 20, 0, compile_cache=compile_cache)
     eagle = EagleDecoder(target, SamplingParams(), 20, 0, head=head, tree=TREES["wide"],
-                         fallback=fallback)
+                         fallback=fallback, compile_cache=compile_cache)
     rng = np.random.default_rng(1)
-    first = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (13, 30)]
+    # Both turns pad to 64 prompt slots, and every call without a prefix keeps its caches (as
+    # a chat's turns before the last do): those calls run one program per decoder, the calls
+    # from a prefix (the chat's last turn, which keeps nothing) another.
+    first = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (13, 40)]
     turn1 = {d.name: d.generate_batch(first, keep=True) for d in (plain, eagle)}
     assert [g.token_ids for g in turn1["eagle"]] == [g.token_ids for g in turn1["vanilla"]]
     kept = 17  # answer tokens the next prompt keeps; then it goes its own way
     second = [p + g.token_ids[:kept] + rng.integers(1, cfg.vocab_size, 7).tolist()
               for p, g in zip(first, turn1["vanilla"])]
-    want = plain.generate_batch(second)
-    fresh = eagle.generate_batch(second)
+    want = plain.generate_batch(second, keep=True)
+    fresh = eagle.generate_batch(second, keep=True)
     for d in (plain, eagle):
         got = d.generate_batch(second, prefixes=[g.prefix for g in turn1[d.name]])
         assert [g.token_ids for g in got] == [g.token_ids for g in want], d.name
@@ -813,7 +930,8 @@ def test_a_later_turn_starts_from_the_earlier_turns_caches(models, gives_up):
                 assert g1.plain_steps > 0
                 assert len(p) + 4 <= g2.reused == len(g1.prefix.token_ids) - 1 < shared - 1
     # Rows whose prefix is another decoder's, or absent, start afresh; the count must match.
-    mixed = eagle.generate_batch(second, prefixes=[turn1["vanilla"][0].prefix, None])
+    mixed = eagle.generate_batch(second, prefixes=[turn1["vanilla"][0].prefix, None],
+                                 keep=True)
     assert [g.token_ids for g in mixed] == [g.token_ids for g in want]
     assert [g.reused for g in mixed] == [0, 0]
     with pytest.raises(GenerationError, match="one \\(or None\\) per prompt"):
@@ -832,7 +950,9 @@ def test_eagle_prefill_after_a_prefix_matches_a_fresh_prefill(models):
     head = head.serving()
     rng = np.random.default_rng(4)
     lengths1, common = [20, 26], [12, 26]
-    first = rng.integers(1, cfg.vocab_size, (2, 32))
+    # Both calls' prompts padded to 48 slots: one decoding, whose prefill (jitted) makes the
+    # first call's caches and the reference from scratch.
+    first = rng.integers(1, cfg.vocab_size, (2, 48))
     second = rng.integers(1, cfg.vocab_size, (2, 48))
     for i, n in enumerate(common):
         second[i, :n] = first[i, :n]
@@ -840,14 +960,14 @@ def test_eagle_prefill_after_a_prefix_matches_a_fresh_prefill(models):
     key = jax.random.key(0)
     spec1, tok1, len1 = eagle_decoding(cfg, head, first, np.array(lengths1), max_new_tokens=8,
                                        tree=TREES["wide"])
-    caches = spec1.reusable(spec1.prefill((params, head), tok1, len1, key))
+    caches = spec1.reusable(driver.start(spec1, (params, head), tok1, len1, key))
     spec2, tok2, len2 = eagle_decoding(cfg, head, second, lengths2, max_new_tokens=8,
                                        tree=TREES["wide"])
     starts = [spec2.reuse_start(n, int(m)) for n, m in zip(common, lengths2)]
     assert starts == [11, 25]
     prefix = driver.Prefix(caches, jnp.asarray(starts, jnp.int32))
-    got = jax.jit(spec2.prefill)((params, head), tok2, len2, key, prefix=prefix)
-    want = spec2.prefill((params, head), tok2, len2, key)
+    got = driver.start(spec2, (params, head), tok2, len2, key, prefix)
+    want = driver.start(spec2, (params, head), tok2, len2, key)
 
     def close(a, b):  # float32 round-off follows the size of the terms summed into an entry
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
@@ -861,7 +981,7 @@ def test_eagle_prefill_after_a_prefix_matches_a_fresh_prefill(models):
         close(got.cache.v[-1][i, :, :n], want.cache.v[-1][i, :, :n])
 
 
-def test_a_streamed_turn_keeps_its_caches_for_the_next(models):
+def test_a_streamed_turn_keeps_its_caches_for_the_next(models, compile_cache):
     """The chat path streams: a reader that stops after a few steps (a stop string) still gets
     the caches as far as they ran (``stream_prefix``), and the next turn streamed from them is
     plain decoding's answer from scratch, with the shared tokens skipped."""
@@ -869,19 +989,39 @@ def test_a_streamed_turn_keeps_its_caches_for_the_next(models):
 
     cfg, params, head = models
     target = _target(cfg, params)
-    plain = PlainDecoder(target, SamplingParams(), 20, 0)
-    eagle = EagleDecoder(target, SamplingParams(), 20, 0, head=head, tree=TREES["wide"])
-    first = np.random.default_rng(2).integers(1, cfg.vocab_size, 13).tolist()
+    plain = PlainDecoder(target, SamplingParams(), 20, 0, compile_cache=compile_cache)
+    eagle = EagleDecoder(target, SamplingParams(), 20, 0, head=head, tree=TREES["wide"],
+                         compile_cache=compile_cache)
+    # 17 tokens: this prompt and the next turn's (at most 32) pad to the same 32 slots, so
+    # each decoder's steps run one program for both turns.
+    first = np.random.default_rng(2).integers(1, cfg.vocab_size, 17).tolist()
     for d in (plain, eagle):
         seen = []
         for i, tokens in enumerate(d.stream(first)):
             seen += tokens
             if i == 3:
                 break
-        held = d.stream_prefix().token_ids
+        prefix = d.stream_prefix()
+        held = prefix.token_ids
         assert held == (first + seen)[:len(held)] and len(held) >= len(first) + len(seen) - 1
         second = first + seen + [5, 6, 7]
-        want = plain.generate_batch([second])[0].token_ids
-        assert [t for step in d.stream(second, d.stream_prefix()) for t in step] == want, d.name
+        want = [t for step in plain.stream(second) for t in step]  # plain, from scratch
+        assert [t for step in d.stream(second, prefix) for t in step] == want, d.name
         shared = len(first) + len(seen) - 1  # the last token seen was never fed
         assert d.stream_reused == [shared if d is plain else shared - 1]
+
+
+# Last in the file: it clears the compiled decoders, which the tests before it share.
+def test_chi_square_catches_a_biased_acceptance_rule(tiny_vocab_models, monkeypatch):
+    """test_sampling_is_lossless's run and check, with a biased acceptance rule: it fails."""
+    cfg, params, head = tiny_vocab_models
+    sampling = SAMPLERS[0]
+    monkeypatch.setattr(eagle_mod, "accept", _biased_accept)
+    driver._loop_jit.clear_cache()
+    try:
+        out = _sampled(cfg, params, head, PROMPT, SAMPLES, **AFTER_ROUND_1, sampling=sampling)
+    finally:
+        driver._loop_jit.clear_cache()
+    pairs = np.asarray(out.tokens)[:, :2]
+    exact = _exact_joint(params, cfg, jnp.asarray(PROMPT, jnp.int32), sampling)
+    assert _chi_square_pvalue(pairs, exact) < 1e-6

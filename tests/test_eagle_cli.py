@@ -40,6 +40,16 @@ def random_head(cfg: TargetConfig, draft_vocab: int, seed: int = 0, **overrides)
                      vocab=VocabMap.from_used_ids(used, cfg.vocab_size), cfg=dcfg)
 
 
+def zero_head(cfg: TargetConfig, draft_vocab: int, **overrides) -> DraftHead:
+    """A head of zero weights, for what depends on the config alone (drawing random weights
+    compiles a sampler per shape)."""
+    dcfg = DraftConfig.for_target(cfg, draft_vocab_size=draft_vocab, **overrides)
+    shapes = jax.eval_shape(lambda: init_draft_params(dcfg, jax.random.key(0)))
+    return DraftHead(params=jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes),
+                     vocab=VocabMap.from_used_ids(np.arange(draft_vocab), cfg.vocab_size),
+                     cfg=dcfg)
+
+
 def run(target, capsys, *argv):
     code = main(list(argv), load_fn=lambda _: target)
     captured = capsys.readouterr()
@@ -57,10 +67,9 @@ def one_error(code, out, err, message):
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_gguf_path):
-    from eagle3_jax.checkpoints import load_target
-
-    return load_target(smollm2_gguf_path)
+def smollm2(smollm2_target):
+    """The default target (the session's one read of it)."""
+    return smollm2_target
 
 
 @pytest.fixture(scope="module")
@@ -117,27 +126,33 @@ def test_compare_reports_both_speeds(smollm2, smollm2_head_dir, prompts_file, ca
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tree", [TreeConfig.chain(4), TreeConfig(tree_top_k=3, depth=3,
-                                                                  total_tokens=10)],
+@pytest.mark.parametrize("tree", [TreeConfig.chain(4), TreeConfig(tree_top_k=2, depth=3,
+                                                                  total_tokens=8)],
                          ids=["chain", "tree"])
-def test_library_greedy_equals_plain_on_smollm2(smollm2, tree):
+def test_library_greedy_equals_plain_on_smollm2(smollm2, smollm2_head_dir, tree):
+    """``generate_eagle`` against ``generate`` on the two prompts of different lengths in one
+    padded batch, with the CLI tests' head, token budget and EOS ids: their plain program and
+    the tree's (the CLI's 2/3/8) are the ones the CLI tests compiled."""
+    from eagle3_jax.draft.load import load_head
+
     tok = smollm2.tokenizer
     ids = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     assert len(ids[0]) != len(ids[1])
     batch = pad_prompts(ids, pad_id=tok.pad_token_id)
-    head = random_head(smollm2.cfg, 2048, seed=1)
-    plain = generate(smollm2.params, smollm2.cfg, batch.tokens, batch.lengths,
-                     max_new_tokens=20)
+    head = load_head(smollm2_head_dir, smollm2.cfg).head
+    common = dict(max_new_tokens=24, eos_token_ids=tok.eos_token_ids)
+    plain = generate(smollm2.params, smollm2.cfg, batch.tokens, batch.lengths, **common)
     out = generate_eagle(smollm2.params, smollm2.cfg, head, batch.tokens, batch.lengths,
-                         max_new_tokens=20, tree=tree)
+                         tree=tree, **common)
     np.testing.assert_array_equal(out.tokens, plain.tokens)
+    np.testing.assert_array_equal(out.num_generated, plain.num_generated)
     assert (np.asarray(out.rounds) >= 1).all()
 
 
 @pytest.mark.slow
 def test_errors_are_one_clear_line(smollm2, smollm2_head_dir, tmp_path, capsys):
-    narrow = random_head(smollm2.cfg, 256, hidden_size=64, intermediate_size=128, num_heads=2,
-                         num_kv_heads=1, head_dim=32)
+    narrow = zero_head(smollm2.cfg, 256, hidden_size=64, intermediate_size=128, num_heads=2,
+                       num_kv_heads=1, head_dim=32)
     misfit = export_draft_head(narrow, tmp_path / "narrow")
     cases = [
         (("--draft", str(misfit)), "hidden size 64 != target's 576"),
@@ -184,8 +199,9 @@ def tiny(tmp_path_factory):
 
 def test_streamed_eagle_text_equals_vanilla(tiny, capsys):
     target, head = tiny
-    _, plain, _ = run(target, capsys, "--prompt", "stream me", "--max-new-tokens", "20")
-    code, spec, err = run(target, capsys, "--prompt", "stream me", "--max-new-tokens", "20",
+    # 40 tokens, as the auto-tree tests below: the plain stream's programs are compiled once.
+    _, plain, _ = run(target, capsys, "--prompt", "stream me", "--max-new-tokens", "40")
+    code, spec, err = run(target, capsys, "--prompt", "stream me", "--max-new-tokens", "40",
                           "--draft", head, "--tree-top-k", "2", "--depth", "2")
     assert code == 0, err
     assert spec == plain
@@ -219,6 +235,11 @@ def test_full_context_stops_cleanly(tiny, capsys):
     assert prompt + n - 1 + 8 + 4 > TINY.max_position_embeddings
 
 
+# The speed benchmark tests' answer length: one for all, so they share the decoders' compiled
+# programs (the length is static in them); 9 is what the ceiling test's arithmetic needs.
+SPEED_TOKENS = "9"
+
+
 def _bench_target_and_head(tmp_path):
     """A tiny random target (as ``load_fn`` hands the bench) and a random head's folder."""
     cfg = TargetConfig(**{**TINY.to_dict(), "max_position_embeddings": 1024})
@@ -237,7 +258,7 @@ def test_bench_speed_json(tmp_path, capsys):
     target, head = _bench_target_and_head(tmp_path)
     out = tmp_path / "speed.json"
     code = speed_main(["--tasks", "mt_bench,gsm8k", "--num-prompts", "1", "--max-new-tokens",
-                       "8", "--draft", str(head), "--out", str(out), "--reuse-prefix",
+                       SPEED_TOKENS, "--draft", str(head), "--out", str(out), "--reuse-prefix",
                        *TREE_ARGS],
                       load_fn=lambda _: target)
     captured = capsys.readouterr()
@@ -281,7 +302,7 @@ def test_bench_speed_ceiling_is_the_targets_own_chain_at_temperature_0(tmp_path,
 
     target, head = _bench_target_and_head(tmp_path)
     out = tmp_path / "ceiling.json"
-    args = ["--tasks", "mt_bench,gsm8k", "--num-prompts", "2", "--max-new-tokens", "9",
+    args = ["--tasks", "mt_bench,gsm8k", "--num-prompts", "1", "--max-new-tokens", SPEED_TOKENS,
             "--draft", str(head), "--out", str(out), "--no-plot", *TREE_ARGS]
     code = speed_main([*args, "--ceiling"], load_fn=lambda _: target)
     captured = capsys.readouterr()
@@ -290,7 +311,7 @@ def test_bench_speed_ceiling_is_the_targets_own_chain_at_temperature_0(tmp_path,
     assert result["config"]["ceiling"] is True and "drafting for itself" in result["config"]["draft"]
     turns = [t for task in result["tasks"].values() for t in task["per_turn"]]
     assert all(task["identical"] for task in result["tasks"].values())
-    full = [t for t in turns if t["new_tokens"] == 9]  # no EOS before the last token
+    full = [t for t in turns if t["new_tokens"] == int(SPEED_TOKENS)]  # no EOS before the end
     assert full and all(t["rounds"] == 2 and t["tau"] == 4.0 for t in full), turns
     code = speed_main([*args, "--ceiling", "--fallback"], load_fn=lambda _: target)
     err = capsys.readouterr().err.strip().splitlines()
@@ -306,7 +327,7 @@ def test_bench_speed_resumes_where_a_run_stopped(tmp_path, capsys):
 
     target, head = _bench_target_and_head(tmp_path)
     out = tmp_path / "speed.json"
-    args = ["--tasks", "mt_bench,gsm8k", "--max-new-tokens", "6", "--draft", str(head),
+    args = ["--tasks", "mt_bench,gsm8k", "--max-new-tokens", SPEED_TOKENS, "--draft", str(head),
             "--out", str(out), "--no-plot", *TREE_ARGS]
     assert speed_main([*args, "--num-prompts", "1"], load_fn=lambda _: target) == 0
     first = json.loads(out.read_text())
@@ -358,13 +379,13 @@ def test_bench_speed_times_hf_transformers_beside(tmp_path, capsys, monkeypatch)
                                    weights=tmp_path / "model.gguf")
     head = export_draft_head(random_head(cfg, 200, seed=4), tmp_path / "head")
     out = tmp_path / "speed.json"
-    code = speed_main(["--tasks", "gsm8k", "--num-prompts", "2", "--max-new-tokens", "8",
+    code = speed_main(["--tasks", "gsm8k", "--num-prompts", "2", "--max-new-tokens", SPEED_TOKENS,
                        "--draft", str(head), "--out", str(out), "--hf", "--no-plot",
                        *TREE_ARGS], load_fn=lambda _: target)
     captured = capsys.readouterr()
     assert code == 0, captured.err
     row = json.loads(out.read_text())["tasks"]["gsm8k"]
-    assert len(calls) == 2 and all(c[1:] == (8, False) for c in calls)
+    assert len(calls) == 2 and all(c[1:] == (int(SPEED_TOKENS), False) for c in calls)
     assert row["tokens_per_s_hf"] > 0
     assert row["speedup_vs_hf"] == pytest.approx(row["tokens_per_s_eagle"] / row["tokens_per_s_hf"])
     assert "eagle vs HF" in captured.out
