@@ -32,17 +32,11 @@ if "EAGLE3_JAX_COMPILE_CACHE" not in os.environ:
     # removes it, when it exits.
     atexit.register(shutil.rmtree, _RUN_CACHE, ignore_errors=True)
 os.environ.setdefault("EAGLE3_JAX_COMPILE_CACHE_MIN_SECONDS", "0")
-# A cache kept across runs (``make test-fast`` keeps one under $EAGLE3_JAX_HOME) is held to this
-# size: JAX evicts the least recently used entries past it.
-TEST_CACHE_MAX_BYTES = 4 * 2**30
 
 from eagle3_jax.compile_cache import (drop_compiled_programs, enable_compile_cache,  # noqa: E402
                                       memory_mappings)
 
-if enable_compile_cache() is not None:
-    import jax  # noqa: E402
-
-    jax.config.update("jax_compilation_cache_max_size", TEST_CACHE_MAX_BYTES)
+enable_compile_cache()
 
 import pytest  # noqa: E402
 
