@@ -1,7 +1,7 @@
 """Shared pytest fixtures.
 
-The suite runs on 8 emulated CPU devices (``make test`` sets XLA_FLAGS; we set the same default
-here, before anything imports jax, so a bare ``pytest`` matches). The real SmolLM2 GGUF and
+The suite runs on 8 emulated CPU devices and compiles with LLVM's optimisations off (the flags
+and why: ``tests/xla_flags.py``), set here before anything imports jax. The real SmolLM2 GGUF and
 transformers' own float32 model of it are loaded once per session: the transformers load
 dequantizes 272 tensors and takes ~15 s on two cores.
 """
@@ -14,7 +14,9 @@ import shutil
 import sys
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from xla_flags import with_test_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_test_flags(os.environ.get("XLA_FLAGS", ""))
 # The start-up caches under $EAGLE3_JAX_HOME stay off in the test process (every test reads its
 # source fresh, and no test run leaves entries in the user's home); tests/test_startup.py turns
 # them on in temporary homes.

@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 
 out_dir, num_processes, process_id, coordinator, devices = sys.argv[1:6]
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from xla_flags import with_devices  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_devices(os.environ.get("XLA_FLAGS", ""), int(devices))
 
 import jax  # noqa: E402
 

@@ -3,7 +3,6 @@ weights): every phase runs inside its time box, an earlier regeneration is kept,
 schedule is sized by the calibration run and reached, and the exported head loads."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from tiny_gguf import write_tiny_gguf
+from xla_flags import child_env
 
 SCRIPT = Path(__file__).resolve().parents[1] / "launch" / "build_head_accelerator.py"
 
@@ -46,7 +46,7 @@ def test_build_runs_every_phase_in_its_budget(smollm2_gguf_path, tmp_path):
          "--max-new-tokens", "12", "--conversations", "16", "--draft-vocab-size", "256",
          "--batch-size", "2", "--max-len", "128", "--ttt-steps", "2", "--calibrate-steps", "12"],
         capture_output=True, text=True, timeout=budget + 120,
-        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})  # one CPU device
+        env=child_env(devices=None))  # one CPU device
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     info = json.loads((out / "build.json").read_text())
     # 16 greedy answers (one of them the kept one) and 16 sampled ones, trained on together.

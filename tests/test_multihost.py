@@ -2,7 +2,6 @@
 same losses as 1 process x 8 devices: same global batches, same sharded step."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -25,9 +24,8 @@ def _free_port() -> int:
 def _launch(out_dir: Path, num_processes: int, devices: int) -> dict:
     out_dir.mkdir(parents=True)
     coordinator = f"localhost:{_free_port()}"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(out_dir), str(num_processes),
-                               str(i), coordinator, str(devices)], env=env,
+                               str(i), coordinator, str(devices)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(num_processes)]
     logs = [p.communicate(timeout=600)[0] for p in procs]

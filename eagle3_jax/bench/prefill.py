@@ -35,6 +35,7 @@ def prefill_times(params, cfg, length: int, max_new_tokens: int, repeats: int,
     from eagle3_jax.decoding.costs import forward_step, interleaved_medians
     from eagle3_jax.decoding.generate import cache_size
     from eagle3_jax.model.target import prefill
+    from eagle3_jax.sharding import replicated_like
 
     width = bucket(length)
     max_len = cache_size(cfg, width, max_new_tokens)
@@ -48,9 +49,14 @@ def prefill_times(params, cfg, length: int, max_new_tokens: int, repeats: int,
             for name, chunk in (("one forward", None), ("decoders", "auto"))}
     state = {"cache": runs["one forward"](params, tokens, lengths).cache}
 
+    # The step's token, and the cache's end moved back to the prompt's end, on the mesh where the
+    # cache lies: one program. (A new end each time: forward_step donates the whole cache.)
+    token = replicated_like(jnp.ones((1, 1), jnp.int32), params)
+
     def decode_step():  # forward_step donates the cache: keep the one it returns
-        logits, new = forward_step(params, state["cache"], jnp.ones((1, 1), jnp.int32), cfg)
-        state["cache"] = new.replace(end=jnp.array([length], jnp.int32))  # at the prompt end
+        logits, new = forward_step(params, state["cache"], token, cfg)
+        state["cache"] = new.replace(end=jax.device_put(np.array([length], np.int32),
+                                                        new.end.sharding))
         return logits
 
     fns = {name: (lambda run=run: run(params, tokens, lengths).logits)

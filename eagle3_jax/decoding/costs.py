@@ -28,6 +28,7 @@ from eagle3_jax.decoding.sampling import greedy_argmax
 from eagle3_jax.draft.model import draft_step_cached, empty_draft_cache
 from eagle3_jax.kernels.matmul import weight_rows
 from eagle3_jax.model.target import KVCache, causal_mask, forward
+from eagle3_jax.sharding import replicated_like
 
 
 def time_call(fn: Callable[[], object]) -> float:
@@ -90,21 +91,20 @@ def forward_curve(params, cfg, context: int, sizes, repeats: int,
     caches = {}
     fns = {}
     for t in sizes:
-        caches[t] = KVCache.zeros(cfg, batch, max_len).replace(
-            end=jnp.full((batch,), context, jnp.int32))
-        tokens = jnp.ones((batch, t), jnp.int32)
+        # On the weights' mesh, where each call's returned cache lies: one program per size.
+        caches[t], tokens = replicated_like((KVCache.zeros(cfg, batch, max_len).replace(
+            end=jnp.full((batch,), context, jnp.int32)), jnp.ones((batch, t), jnp.int32)), params)
 
         def run(t=t, tokens=tokens):
             logits, caches[t] = forward_step(params, caches[t], tokens, cfg)
             return logits
         fns[t] = run
     if loop_steps:
-        caches["loop"] = KVCache.zeros(cfg, 1, max_len).replace(
-            end=jnp.full((1,), context, jnp.int32))
+        caches["loop"], first = replicated_like((KVCache.zeros(cfg, 1, max_len).replace(
+            end=jnp.full((1,), context, jnp.int32)), jnp.ones((1, 1), jnp.int32)), params)
 
         def loop():
-            token, caches["loop"] = decode_loop(params, caches["loop"],
-                                                 jnp.ones((1, 1), jnp.int32), cfg, loop_steps)
+            token, caches["loop"] = decode_loop(params, caches["loop"], first, cfg, loop_steps)
             return token
         fns["loop"] = loop
     medians = interleaved_medians(fns, repeats, warmup=2)

@@ -136,6 +136,19 @@ def describe_fallbacks(specs: Any, mesh: Mesh, mode: str = "serving") -> list[st
     return sorted(notes)
 
 
+def replicated_like(tree: Any, reference: Any) -> Any:
+    """``tree`` (arrays) replicated over the mesh that ``reference``'s arrays lie on, or unchanged
+    where none lies on a mesh. A jitted call keys its compiled program on its arguments'
+    shardings, and its results lie on the weights' mesh: an array made on the host (a fresh KV
+    cache) and then the same array as a call returned it would compile the call twice."""
+    on_mesh = (x.sharding for x in jax.tree.leaves(reference)
+               if isinstance(getattr(x, "sharding", None), NamedSharding))
+    sharding = next(on_mesh, None)
+    if sharding is None:
+        return tree
+    return jax.device_put(tree, NamedSharding(sharding.mesh, PartitionSpec()))
+
+
 def shard_array(array: np.ndarray, spec: ParamSpec, sharding: NamedSharding) -> jax.Array:
     """Place one host array on the mesh, each device receiving only its own slice."""
     if tuple(array.shape) != tuple(spec.shape):
