@@ -149,7 +149,13 @@ def test_features_ttt_batch_equals_online_float32(stored, target, records, pack)
             np.testing.assert_array_equal(on_batch[k], off_batch[k])
         on, off = online_fn(on_batch), offline_fn(off_batch)
         real = on_batch["segment_ids"] > 0  # padding taps differ (zeros offline) and are unused
-        np.testing.assert_allclose(off.taps[real], on.taps[real], rtol=1e-5, atol=1e-5)
+        # Padded, the two forwards are one computation. Packed, the online forward's attention
+        # sums over more (masked) keys, so float32 rounds differently: up to 1.9e-5 on taps of
+        # about 1 (2026-12-07, 2-core Xeon, XLA at -O0; 1.1e-5 at its default level, where the
+        # same forward at the two levels differs by up to 4e-5). A leak across documents would
+        # move the taps by about their own size.
+        tol = 5e-5 if pack else 1e-5
+        np.testing.assert_allclose(off.taps[real], on.taps[real], rtol=tol, atol=tol)
         np.testing.assert_allclose(off.target_logp[real], on.target_logp[real], atol=1e-5)
         np.testing.assert_array_equal(off.target_in_draft[real], on.target_in_draft[real])
         loss_on, m_on = loss_fn(on)

@@ -41,7 +41,19 @@ def _setup(steps=4, kv_heads=2, seed=0, eagle31=False):
     return cfg, params, embed, batch
 
 
+def _ttt(params, cfg, embed, batch, **kwargs):
+    """``ttt_forward`` compiled, as training runs it (eagerly, each of its ops would compile)."""
+    return jax.jit(lambda p: ttt_forward(p, cfg, embed, batch, **kwargs))(params)
+
+
 def _unrolled_reference(params, cfg, embed, batch, loss_mask="predicted", with_weights=False):
+    """:func:`_unrolled_reference_ops` as one compiled program (NumPy results)."""
+    return jax.tree.map(np.asarray, jax.jit(lambda p: _unrolled_reference_ops(
+        p, cfg, embed, batch, loss_mask, with_weights))(params))
+
+
+def _unrolled_reference_ops(params, cfg, embed, batch, loss_mask="predicted",
+                            with_weights=False):
     """Python loop, keys concatenated step by step as the PyTorch reference caches them.
 
     The loss at step i, index t scores the label l_{t+1+i} (the prediction of x_{t+2+i}) with
@@ -100,8 +112,7 @@ def test_scan_equals_unrolled_reference(kv_heads, loss_mask, eagle31):
     cfg, params, embed, batch = _setup(kv_heads=kv_heads, eagle31=eagle31)
     if eagle31:  # scales away from 1, so a missing norm shows
         params = {**params, "fc_norm": params["fc_norm"] * jnp.array([[0.5], [1.0], [2.0]])}
-    loss, metrics = jax.jit(lambda p, b: ttt_forward(p, cfg, embed, b, return_logits=True,
-                                                     loss_mask=loss_mask))(params, batch)
+    loss, metrics = _ttt(params, cfg, embed, batch, return_logits=True, loss_mask=loss_mask)
     ref_total, ref_losses, ref_logits = _unrolled_reference(params, cfg, embed, batch,
                                                             loss_mask)
     valid = np.asarray(batch.segment_ids) > 0  # padded queries see nothing: their output is unused
@@ -115,7 +126,7 @@ def test_top_r_hit_rates_match_ranks_of_the_reference_logits():
     """hits_per_step[i, r-1]: the scored share whose target token is among the draft's r best
     at step i, counted here by sorting the unrolled reference's logits."""
     cfg, params, embed, batch = _setup(steps=3)
-    _, metrics = ttt_forward(params, cfg, embed, batch, hit_ranks=VD)
+    _, metrics = _ttt(params, cfg, embed, batch, hit_ranks=VD)
     _, _, logits, weights, labels = _unrolled_reference(params, cfg, embed, batch,
                                                         with_weights=True)
     logits = np.asarray(logits)
@@ -134,9 +145,9 @@ def test_top_r_hit_rates_match_ranks_of_the_reference_logits():
 
 def test_gradients_equal_unrolled_reference():
     cfg, params, embed, batch = _setup(steps=3)
-    g_scan = jax.grad(lambda p: ttt_forward(p, cfg, embed, batch)[0])(params)
+    g_scan = jax.jit(jax.grad(lambda p: ttt_forward(p, cfg, embed, batch)[0]))(params)
 
-    g_ref = jax.grad(lambda p: _unrolled_reference(p, cfg, embed, batch)[0])(params)
+    g_ref = jax.jit(jax.grad(lambda p: _unrolled_reference_ops(p, cfg, embed, batch)[0]))(params)
     for name in g_scan:
         np.testing.assert_allclose(g_scan[name], g_ref[name], atol=1e-6, rtol=1e-4, err_msg=name)
 
@@ -283,7 +294,7 @@ def test_outputs_at_one_position_equal_the_full_steps(eagle31):
 
 def test_padding_and_documents_are_not_scored():
     cfg, params, embed, batch = _setup(steps=2)
-    _, metrics = ttt_forward(params, cfg, embed, batch, loss_mask="reference")
+    _, metrics = _ttt(params, cfg, embed, batch, loss_mask="reference")
     w0 = (np.asarray(batch.loss_mask)[:, :-1] & np.asarray(batch.target_in_draft)[:, 1:]
           & (np.asarray(batch.segment_ids)[:, 1:] == np.asarray(batch.segment_ids)[:, :-1])
           & (np.asarray(batch.segment_ids)[:, :-1] > 0))
@@ -304,7 +315,7 @@ def test_each_step_scores_the_answer_tokens_it_predicts(loss_mask):
     mask[:, list(answer)] = True
     batch = batch.replace(loss_mask=jnp.asarray(mask), segment_ids=jnp.asarray(seg),
                           target_in_draft=jnp.ones((B, T), bool))
-    _, metrics = ttt_forward(params, cfg, embed, batch, loss_mask=loss_mask)
+    _, metrics = _ttt(params, cfg, embed, batch, loss_mask=loss_mask)
     for i in range(cfg.ttt_steps):
         # Indices t whose step-i prediction is of x_{t+2+i} (inside document 1: t+1+i <= 7).
         if loss_mask == "predicted":
@@ -325,7 +336,7 @@ def test_lk_objective_matches_the_papers_equations():
     from eagle3_jax.draft.ttt import position_loss
 
     cfg, params, embed, batch = _setup(steps=3)
-    _, metrics = ttt_forward(params, cfg, embed, batch, return_logits=True, objective="lk")
+    _, metrics = _ttt(params, cfg, embed, batch, return_logits=True, objective="lk")
     _, _, logits, weights, _ = _unrolled_reference(params, cfg, embed, batch, with_weights=True)
     logp_all = np.asarray(batch.target_logp, np.float64)
     for i in range(cfg.ttt_steps):
@@ -361,7 +372,7 @@ def test_training_path_loss_and_accuracy_equal_the_reference():
     """Training (no logits returned, no hit rates) takes ``head_cross_entropy``, which computes
     the head's gradient in the forward pass: its loss and top-1 accuracy are the reference's."""
     cfg, params, embed, batch = _setup(steps=3)
-    loss, metrics = jax.jit(lambda p: ttt_forward(p, cfg, embed, batch))(params)
+    loss, metrics = _ttt(params, cfg, embed, batch)
     ref_total, ref_losses, ref_logits, weights, labels = _unrolled_reference(
         params, cfg, embed, batch, with_weights=True)
     np.testing.assert_allclose(metrics["loss_per_step"], ref_losses, rtol=1e-5)
@@ -426,7 +437,7 @@ def test_loss_and_gradients_match_an_independent_pytorch_reference(tmp_path, los
         params = {**params, "fc_norm": params["fc_norm"] * jnp.array([[0.5], [1.0], [2.0]])}
     vocab = VocabMap.from_used_ids(np.arange(VD), V)
     fn = lambda p: ttt_forward(p, cfg, embed, batch, loss_mask=loss_mask)[0]  # noqa: E731
-    loss, grads = jax.value_and_grad(fn)(params)
+    loss, grads = jax.jit(jax.value_and_grad(fn))(params)
 
     export_draft_head(DraftHead(params=params, vocab=vocab, cfg=cfg), tmp_path / "head",
                       format="speculators")
