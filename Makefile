@@ -64,16 +64,16 @@ head: model
 PYTEST_WORKERS ?= auto
 PYTEST_ARGS := -q -n $(PYTEST_WORKERS) --dist worksteal --max-worker-restart=0 --durations=10
 
+# The suite sets its own XLA flags (8 emulated devices, LLVM at -O0): tests/xla_flags.py.
 test: model $(LIBTPU_SITE)/.stamp
-	XLA_FLAGS=--xla_force_host_platform_device_count=8 $(PY) -m pytest $(PYTEST_ARGS) tests
+	$(PY) -m pytest $(PYTEST_ARGS) tests
 
 # The edit loop keeps its compilation cache between runs, in $(EAGLE3_JAX_HOME)/xla-tests (JAX
 # keys each entry by the program and the JAX/XLA versions, so a changed program compiles again):
 # a run after an edit compiles only what the edit changed. The folder only grows: delete it to
 # start afresh. (A size limit, jax_compilation_cache_max_size, made the workers' writes race.)
 test-fast: model
-	EAGLE3_JAX_COMPILE_CACHE=$(EAGLE3_JAX_HOME)/xla-tests XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-	  $(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests
+	EAGLE3_JAX_COMPILE_CACHE=$(EAGLE3_JAX_HOME)/xla-tests $(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests
 
 bench: model
 	$(PY) -m eagle3_jax.bench forward

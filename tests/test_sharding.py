@@ -1,7 +1,7 @@
 """Sharded forward equals the single-device forward on 8 emulated CPU devices; rules are kept.
 
-Run with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (as ``make test`` does); without 8
-devices the mesh tests are skipped. The expected PartitionSpecs below are written out by hand from
+The suite runs on 8 emulated devices (``tests/xla_flags.py``; an ``XLA_FLAGS`` naming another
+count overrides it); without 8 devices the mesh tests are skipped. The expected PartitionSpecs below are written out by hand from
 the rules tables in ``eagle3_jax/sharding/mesh.py``, not recomputed with the code under test.
 
 Tolerance: sharding changes only how float32 sums are split across devices (~1e-6 on logits of

@@ -17,6 +17,7 @@ from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import init_params, to_serving
 from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
 from eagle3_jax.model.params import serving_specs
+from xla_flags import commands_env
 
 CFG = TargetConfig(arch="llama", vocab_size=97, hidden_size=32, intermediate_size=64,
                    num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -103,20 +104,23 @@ def test_second_load_target_reads_the_cache(home, smollm2_gguf_path, monkeypatch
 
 def test_second_decoder_start_uses_both_caches(smollm2_gguf_path, tmp_path):
     """Two decoder processes on a fresh home: the second reads the cached weights and compiled
-    programs and prints the same answer."""
+    programs and prints the same answer. They compile as the commands do (the suite's own XLA
+    flags off), so the real model's EAGLE answer is held to plain decoding's (``--compare``) on
+    the programs users run."""
     home = tmp_path / "home"
     home.mkdir()
     os.symlink(smollm2_gguf_path, home / smollm2_gguf_path.name)
-    env = dict(os.environ, EAGLE3_JAX_HOME=str(home), EAGLE3_JAX_WEIGHTS_CACHE="1",
+    env = dict(commands_env(), EAGLE3_JAX_HOME=str(home), EAGLE3_JAX_WEIGHTS_CACHE="1",
                EAGLE3_JAX_COMPILE_CACHE="1")
     # EAGLE with the shipped head on a fixed tree: the compiled programs of both models are
     # cached, and no start times the tree chooser's candidates (tests/test_autotune.py does).
-    cmd = [sys.executable, "-m", "eagle3_jax.decode", "--prompt", "Hi", "--max-new-tokens", "6",
-           "--tree-top-k", "2", "--depth", "3", "--total-tokens", "6"]
+    cmd = [sys.executable, "-m", "eagle3_jax.decode", "--prompt", "Hi", "--max-new-tokens", "12",
+           "--tree-top-k", "2", "--depth", "3", "--total-tokens", "6", "--compare"]
     runs = [subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
             for _ in range(2)]
     for run in runs:
         assert run.returncode == 0, run.stderr[-2000:]
     assert runs[0].stdout == runs[1].stdout and runs[0].stdout.strip()
+    assert "outputs identical" in runs[0].stderr.splitlines()[-1], runs[0].stderr[-2000:]
     assert len(list((home / "weights").glob("*.safetensors"))) == 1
     assert any((home / "xla").iterdir())

@@ -16,6 +16,7 @@ from eagle3_jax.draft.model import (draft_logits, draft_step_cached, empty_draft
 from eagle3_jax.draft.params import init_draft_params
 from eagle3_jax.draft.ttt import STEP_WEIGHT_DECAY, TTTBatch, ttt_forward
 from eagle3_jax.model.layers import attention
+from xla_flags import AS_COMMANDS
 
 B, T, V, VD, D = 2, 10, 64, 40, 32
 
@@ -437,7 +438,8 @@ def test_loss_and_gradients_match_an_independent_pytorch_reference(tmp_path, los
         params = {**params, "fc_norm": params["fc_norm"] * jnp.array([[0.5], [1.0], [2.0]])}
     vocab = VocabMap.from_used_ids(np.arange(VD), V)
     fn = lambda p: ttt_forward(p, cfg, embed, batch, loss_mask=loss_mask)[0]  # noqa: E731
-    loss, grads = jax.jit(jax.value_and_grad(fn))(params)
+    # Compiled as the commands compile (float32 against float64 at the tolerances below).
+    loss, grads = jax.jit(jax.value_and_grad(fn), compiler_options=AS_COMMANDS)(params)
 
     export_draft_head(DraftHead(params=params, vocab=vocab, cfg=cfg), tmp_path / "head",
                       format="speculators")

@@ -1,14 +1,17 @@
 """The XLA flags the suite runs with, and the environment of a child process with another
-number of emulated CPU devices.
+number of emulated CPU devices or with the commands' own compile settings.
 
-The suite emulates 8 CPU devices and compiles with LLVM's optimisations off: its programs each
-run a few times, so compiling is most of its time, and at ``-O0`` without LLVM's expensive
-passes XLA compiles a program in about two thirds of the time (the whole suite in about four
-fifths) on a 2-core Xeon. XLA keeps IEEE semantics at every level (no fast math), so results
-differ at most by where a multiply and an add fuse into one FMA, as between any two programs.
-The benchmarks, ``make demo`` and every command compile at XLA's default level. A flag named in
-``XLA_FLAGS`` already is kept as given: ``XLA_FLAGS=--xla_backend_optimization_level=2`` runs the
-suite on optimised code.
+The suite emulates 8 CPU devices and compiles with LLVM's optimisations off and XLA's classic CPU
+fusion emitters: its programs each run a few times, so compiling is most of its time, and so
+set, XLA compiles them in about half the time (the whole suite from a fresh clone: 15.5 -> 11
+min on a 2-core Xeon, 2026-12-07). XLA keeps IEEE semantics at every setting (no fast math), so
+results differ at most by rounding, as between any two programs that sum in another order. The
+benchmarks, ``make demo`` and every command compile with XLA's defaults, and so do the tests that
+name ``AS_COMMANDS``: a decoder process started by ``tests/test_startup.py`` (EAGLE's answer
+against plain decoding's) and the comparison with the PyTorch reference's float64 gradients in
+``tests/test_ttt.py``. A flag named in ``XLA_FLAGS`` already is kept as given:
+``XLA_FLAGS="--xla_backend_optimization_level=3 --xla_cpu_use_fusion_emitters=true"`` runs the
+suite as the commands compile.
 """
 
 from __future__ import annotations
@@ -17,8 +20,12 @@ import os
 from typing import Mapping
 
 DEVICE_COUNT = "--xla_force_host_platform_device_count"
-TEST_FLAGS = (f"{DEVICE_COUNT}=8", "--xla_backend_optimization_level=0",
-              "--xla_llvm_disable_expensive_passes=true")
+COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                 "--xla_cpu_use_fusion_emitters=false")
+TEST_FLAGS = (f"{DEVICE_COUNT}=8", *COMPILE_FLAGS)
+# XLA's defaults for the flags of COMPILE_FLAGS, as ``jax.jit(..., compiler_options=...)``.
+AS_COMMANDS = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False,
+               "xla_cpu_use_fusion_emitters": True}
 
 
 def _name(flag: str) -> str:
@@ -42,3 +49,11 @@ def child_env(devices: int | None = None, environ: Mapping[str, str] = os.enviro
     """The environment for a child process: this one's, with ``devices`` emulated CPU devices
     (``None``: one) and the suite's other compile flags."""
     return dict(environ, XLA_FLAGS=with_devices(environ.get("XLA_FLAGS", ""), devices))
+
+
+def commands_env(environ: Mapping[str, str] = os.environ) -> dict:
+    """The environment for a child process that compiles as the commands do: one device, none
+    of the suite's flags."""
+    suite = {_name(f) for f in TEST_FLAGS}
+    kept = [f for f in environ.get("XLA_FLAGS", "").split() if _name(f) not in suite]
+    return dict(environ, XLA_FLAGS=" ".join(kept))
