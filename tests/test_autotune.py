@@ -394,3 +394,26 @@ def test_the_decoder_applies_the_heads_live_scale_to_its_own_rates_only(monkeypa
     uncalibrated = LoadedHead(head=None, description="a head", accept_rates=[0.7])
     cli.autotune(target, uncalibrated, 100, None, None, None)
     assert seen[-1] == ([0.7], 1.0)
+
+
+def test_a_forward_on_a_mesh_compiles_once_per_size():
+    """Weights on a one-device mesh (as the commands load them): each timed forward compiles one
+    program, its fresh KV cache put where the cache it returns lies (``replicated_like``), not
+    one for the first call and another for the rest."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from eagle3_jax.decoding.costs import decode_loop, forward_curve, forward_step
+    from eagle3_jax.sharding import make_mesh, replicated_like
+
+    cfg, params, _ = _tiny_target_and_head()
+    mesh = make_mesh(devices=jax.devices()[:1])  # the commands' mesh on one device
+    on_mesh = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    host = np.ones(3, np.float32)
+    assert replicated_like(host, params) is host  # weights on no mesh: left as they are
+    placed = replicated_like(np.ones(3, np.float32), on_mesh)
+    assert placed.sharding == NamedSharding(mesh, PartitionSpec())
+    sizes = (1, 3)
+    before = forward_step._cache_size(), decode_loop._cache_size()
+    forward_curve(on_mesh, cfg, 8, sizes, repeats=2, loop_steps=2)
+    assert forward_step._cache_size() - before[0] == len(sizes)
+    assert decode_loop._cache_size() - before[1] == 1
