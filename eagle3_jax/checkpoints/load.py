@@ -1,4 +1,5 @@
-"""One entry point for every way of naming a target: preset, HF folder, GGUF file, or nothing.
+"""One entry point for every way of naming a target: preset, HF folder, hub id, GGUF file, or
+nothing.
 
 ``load_target()`` (no argument) gives the default SmolLM2-135M-Instruct, fetched on first use.
 """
@@ -15,6 +16,7 @@ from jax.sharding import Mesh
 from eagle3_jax.checkpoints import weights_cache as cached_weights
 from eagle3_jax.checkpoints.default_model import default_model_path
 from eagle3_jax.checkpoints.gguf_loader import load_gguf
+from eagle3_jax.checkpoints.hub import TARGET_FILES, HubError, is_hub_id, resolve_hub_id
 from eagle3_jax.checkpoints.safetensors_loader import CheckpointError, load_safetensors
 from eagle3_jax.kernels.matmul import panels_in_use
 from eagle3_jax.model.config import TargetConfig
@@ -24,7 +26,7 @@ from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
 from eagle3_jax.text.tokenizer import ChatTokenizer
 
 _ACCEPTED = ("a preset name ({presets}), an HF checkpoint folder (config.json + *.safetensors), "
-             "or a .gguf file")
+             "a Hugging Face hub id (org/name), or a .gguf file")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +80,9 @@ def load_target(
     """Load a target model and its tokenizer onto ``mesh``.
 
     Args:
-      target: None (the ``smollm2-135m`` preset), a preset name, an HF checkpoint folder, or a
-        ``.gguf`` file.
+      target: None (the ``smollm2-135m`` preset), a preset name, an HF checkpoint folder, a
+        Hugging Face hub id (``org/name``: :mod:`eagle3_jax.checkpoints.hub`), or a ``.gguf``
+        file.
       mesh: device mesh; None -> a single-device mesh on ``jax.devices()[0]``.
       mode: sharding rules, "serving" or "training".
       layout: "serving" (``eagle3_jax.model.to_serving``: per-layer, fused, the fast form for
@@ -158,8 +161,14 @@ def _resolve(target) -> _Source:
     if path.exists():
         raise CheckpointError(f"cannot load target {str(target)!r}: it is neither a folder nor a "
                               f"GGUF file (no GGUF magic); accepted: {accepted}")
-    raise CheckpointError(f"target {str(target)!r} is not a preset and no such path exists; "
-                          f"accepted: {accepted}")
+    if is_hub_id(str(target)):
+        try:
+            return _Source("hf", resolve_hub_id(str(target), TARGET_FILES))
+        except HubError as e:
+            raise CheckpointError(f"target {str(target)!r} is no path and no preset, and as a "
+                                  f"hub id: {e}") from None
+    raise CheckpointError(f"target {str(target)!r} is no path, no preset and no hub id "
+                          f"(org/name); accepted: {accepted}")
 
 
 def _preset_source(preset: Preset) -> _Source:

@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sampling top-k; 0 = off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", metavar="PATH_OR_PRESET",
-                   help="preset name, HF checkpoint folder or .gguf file (default: SmolLM2)")
+                   help="preset name, HF checkpoint folder, Hugging Face hub id (org/name, "
+                        "through the hub cache) or .gguf file (default: SmolLM2)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="target parameter dtype (default: the preset's, float32 for GGUF; "
                         "bfloat16 is for accelerators)")
@@ -187,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vanilla or eagle (default: eagle with --draft, --compare or a target "
                         "that ships a head, with the tree chosen by measurement; else vanilla)")
     p.add_argument("--draft", metavar="PATH",
-                   help="EAGLE-3 head: released-format folder or training run / checkpoint")
+                   help="EAGLE-3 head: released-format folder or hub id (org/name), or a "
+                        "training run / checkpoint")
     p.add_argument("--depth", type=int, default=None,
                    help="draft tree levels incl. the root, fixing the tree (the reference's "
                         "depth=7 is our 8). Without --depth, --tree-top-k and --total-tokens "

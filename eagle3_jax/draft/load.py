@@ -78,12 +78,22 @@ class LoadedHead:
 
 
 def check_head_path(path: str | Path) -> Path:
-    """``path`` as a Path if it exists, else a :class:`HeadError` (checked before any load)."""
+    """``path`` as a Path if it exists, else the snapshot folder of the Hugging Face hub id it
+    names (:mod:`eagle3_jax.checkpoints.hub`), else a :class:`HeadError` (checked before any
+    load)."""
+    from eagle3_jax.checkpoints.hub import HEAD_FILES, HubError, is_hub_id, resolve_hub_id
+
     folder = Path(path)
-    if not folder.exists():
-        raise HeadError(f"draft head {str(path)!r} does not exist; give a released EAGLE-3 head "
-                        "folder (config.json + model.safetensors) or a training run folder")
-    return folder
+    if folder.exists():
+        return folder
+    if is_hub_id(str(path)):
+        try:
+            return resolve_hub_id(str(path), HEAD_FILES)
+        except HubError as e:
+            raise HeadError(f"draft head {str(path)!r} is no folder, and as a hub id: {e}") from None
+    raise HeadError(f"draft head {str(path)!r} does not exist; give a released EAGLE-3 head "
+                    "folder (config.json + model.safetensors), a training run folder or a "
+                    "Hugging Face hub id (org/name)")
 
 
 def load_head(path: str | Path, target_cfg: TargetConfig | None = None, *,

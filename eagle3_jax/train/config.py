@@ -66,7 +66,8 @@ class OptimizerConfig:
 class TrainConfig:
     """Everything a draft-head training run needs.
 
-    target: a preset name, a checkpoint path (HF folder / GGUF), or ``random:<preset>`` (the
+    target: a preset name, a checkpoint path (HF folder / GGUF), a Hugging Face hub id
+      (``org/name``, through the hub cache), or ``random:<preset>`` (the
       preset's architecture with random weights, for smoke tests).
     train_data / eval_data: tokenised record files (``eagle3_jax.data``); with no eval_data,
       ``eval_fraction`` of the training records is held out.
@@ -308,6 +309,7 @@ def _check_features_dir(key: str, value: str | None) -> None:
 
 def _check_target(target: str) -> None:
     """``target`` as ``train/loop.py: load_frozen_target`` and ``load_target`` resolve it."""
+    from eagle3_jax.checkpoints.hub import TARGET_FILES, HubError, is_hub_id, resolve_hub_id
     from eagle3_jax.presets import PresetError, list_presets, load_preset
 
     if target.startswith("random:"):
@@ -322,13 +324,21 @@ def _check_target(target: str) -> None:
     if target in presets:
         if load_preset(target).weights is None:
             raise ConfigError(f"train config: target={target!r} is a preset without weights; "
-                              "set target= to its HF checkpoint folder or .gguf file")
+                              "set target= to its HF checkpoint folder, hub id or .gguf file")
+        return
+    if is_hub_id(target):  # fetched now (unless offline), before anything loads
+        try:
+            resolve_hub_id(target, TARGET_FILES)
+        except HubError as e:
+            raise ConfigError(f"train config: target={target!r} is no path and no preset, and "
+                              f"as a hub id: {e}") from None
         return
     close = difflib.get_close_matches(target, presets, n=1)
     hint = f" (did you mean target={close[0]}?)" if close else ""
     raise ConfigError(f"train config: target={target!r} is neither a preset nor an existing "
                       f"path{hint}; set target= to a preset ({', '.join(presets)}), an HF "
-                      "checkpoint folder, a .gguf file, or random:<preset>")
+                      "checkpoint folder, a Hugging Face hub id (org/name), a .gguf file, or "
+                      "random:<preset>")
 
 
 # ---------------------------------------------------------------------------------------------
