@@ -64,7 +64,8 @@ head: model
 PYTEST_WORKERS ?= auto
 PYTEST_ARGS := -q -n $(PYTEST_WORKERS) --dist worksteal --max-worker-restart=0 --durations=10
 
-# The suite sets its own XLA flags (8 emulated devices, LLVM at -O0): tests/xla_flags.py.
+# The suite sets its own XLA flags (8 emulated devices, settings that compile fast):
+# tests/xla_flags.py.
 test: model $(LIBTPU_SITE)/.stamp
 	$(PY) -m pytest $(PYTEST_ARGS) tests
 
@@ -73,7 +74,8 @@ test: model $(LIBTPU_SITE)/.stamp
 # a run after an edit compiles only what the edit changed. The folder only grows: delete it to
 # start afresh. (A size limit, jax_compilation_cache_max_size, made the workers' writes race.)
 test-fast: model
-	EAGLE3_JAX_COMPILE_CACHE=$(EAGLE3_JAX_HOME)/xla-tests $(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests
+	EAGLE3_JAX_COMPILE_CACHE=$(EAGLE3_JAX_HOME)/xla-tests \
+	  $(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests
 
 bench: model
 	$(PY) -m eagle3_jax.bench forward

@@ -13,7 +13,6 @@ q/k row order or RoPE moves logits by O(1).
 from __future__ import annotations
 
 import json
-import shutil
 import zipfile
 
 import jax
@@ -38,6 +37,7 @@ from eagle3_jax.model.target import forward
 from eagle3_jax.presets import PresetError
 from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
 from hf_reference import build_hf_model, hf_config, hf_forward
+from hub_cache import add_to_hub_cache, use_hub_cache
 
 ATOL = 1e-4
 SMOLLM2_ATOL = 1e-3
@@ -324,41 +324,25 @@ def test_load_target_hf_folder(tiny_folder, mesh1, smollm2_gguf_path):
     assert loaded.tokenizer.encode("Hello world") == [19556, 905]
 
 
-def _hub_cache(root, repo_id, folder):
-    """``root`` as a Hugging Face hub cache holding ``folder`` as ``repo_id``'s main revision
-    (huggingface_hub's layout: models--org--name/refs/main names the snapshot's commit)."""
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = root / f"models--{repo_id.replace('/', '--')}"
-    shutil.copytree(folder, repo / "snapshots" / commit)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    return repo / "snapshots" / commit
-
-
 def test_hub_ids_resolve_from_the_cache_offline(tiny_folder, mesh1, smollm2_gguf_path, tmp_path,
                                                 monkeypatch):
-    """``--target org/name`` and ``--draft org/name`` read the hub cache as transformers does
-    (HF_HUB_CACHE, else HF_HOME/hub), offline with HF_HUB_OFFLINE=1; a name that is no path,
-    no preset and not in the cache gets one line naming the three."""
+    """``--target org/name`` and ``--draft org/name`` read the hub cache through huggingface_hub
+    (here offline); a name that is no path, no preset and not in the cache gets one line naming
+    the three."""
     from eagle3_jax.draft.load import HeadError, check_head_path
     from eagle3_jax.text import ChatTokenizer
 
     ChatTokenizer.from_gguf(smollm2_gguf_path).hf.save_pretrained(tiny_folder)
-    cache = tmp_path / "hf" / "hub"
-    cache.mkdir(parents=True)
-    snapshot = _hub_cache(cache, "some-org/tiny-llama", tiny_folder)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    cache = tmp_path / "hub"
+    snapshot = add_to_hub_cache(cache, "some-org/tiny-llama", tiny_folder)
+    use_hub_cache(monkeypatch, cache)
     direct = load_target(str(tiny_folder), mesh=mesh1)
     by_id = load_target("some-org/tiny-llama", mesh=mesh1)
     assert by_id.cfg == direct.cfg and by_id.weights == snapshot
     for a, b in zip(jax.tree.leaves(by_id.params), jax.tree.leaves(direct.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert by_id.tokenizer.encode("Hello world") == direct.tokenizer.encode("Hello world")
-    monkeypatch.delenv("HF_HUB_CACHE")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # HF_HOME/hub
-    assert load_target("some-org/tiny-llama", mesh=mesh1).weights == snapshot
-    head = _hub_cache(cache, "some-org/tiny-head", tiny_folder)
+    head = add_to_hub_cache(cache, "some-org/tiny-head", tiny_folder)
     assert check_head_path("some-org/tiny-head") == head
     with pytest.raises(CheckpointError) as missing:
         load_target("some-org/missing", mesh=mesh1)

@@ -1,8 +1,9 @@
 """Sharded forward equals the single-device forward on 8 emulated CPU devices; rules are kept.
 
 The suite runs on 8 emulated devices (``tests/xla_flags.py``; an ``XLA_FLAGS`` naming another
-count overrides it); without 8 devices the mesh tests are skipped. The expected PartitionSpecs below are written out by hand from
-the rules tables in ``eagle3_jax/sharding/mesh.py``, not recomputed with the code under test.
+count overrides it); without 8 devices the mesh tests are skipped. The expected PartitionSpecs
+below are written out by hand from the rules tables in ``eagle3_jax/sharding/mesh.py``, not
+recomputed with the code under test.
 
 Tolerance: sharding changes only how float32 sums are split across devices (~1e-6 on logits of
 std ~1); atol 1e-5 is a fixed bound ten times above that.

@@ -108,14 +108,13 @@ def test_each_path_is_checked_by_its_key(inputs, changes, message):
 def test_a_hub_id_target_is_checked_in_the_hub_cache(inputs, tmp_path, monkeypatch):
     """``target=org/name`` resolves through the Hugging Face cache (offline here) before
     anything loads; an id the cache does not hold is refused with the cache it read."""
-    cache = tmp_path / "hub"
-    snapshot = cache / "models--some-org--tiny" / "snapshots" / ("ab" * 20)
-    snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text("{}")
-    (cache / "models--some-org--tiny" / "refs").mkdir()
-    (cache / "models--some-org--tiny" / "refs" / "main").write_text("ab" * 20)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from hub_cache import add_to_hub_cache, use_hub_cache
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    add_to_hub_cache(tmp_path / "hub", "some-org/tiny", model)
+    use_hub_cache(monkeypatch, tmp_path / "hub")
     base = {"train_data": str(inputs / "tokens.npz"), "out_dir": str(inputs / "run")}
     check_paths(TrainConfig(target="some-org/tiny", **base))
     with pytest.raises(ConfigError, match=r"target='some-org/gone' is no path and no preset, "

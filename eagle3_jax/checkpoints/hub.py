@@ -1,14 +1,13 @@
 """Hugging Face hub ids (``org/name``) as targets and draft heads, resolved as transformers
-resolves them: through the local hub cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
-``~/.cache/huggingface/hub``), downloading what is missing when online, reading the cache only
-when ``HF_HUB_OFFLINE=1``. ``huggingface_hub`` does the work (transformers depends on it).
+resolves them: ``huggingface_hub.snapshot_download`` reads the local hub cache (``HF_HUB_CACHE``,
+else ``HF_HOME/hub``), downloads what is missing when online and reads the cache alone when
+``HF_HUB_OFFLINE=1`` (transformers depends on ``huggingface_hub``).
 
     resolve_hub_id("HuggingFaceTB/SmolLM2-135M-Instruct", TARGET_FILES) -> snapshot folder
 """
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -31,37 +30,20 @@ def is_hub_id(name: str) -> bool:
     return bool(_HUB_ID.fullmatch(str(name))) and ".." not in str(name)
 
 
-def hub_cache_dir() -> Path:
-    """The hub cache transformers reads: ``HF_HUB_CACHE``, ``HF_HOME/hub``, or the default."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or Path(
-        os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "huggingface"
-    return Path(home).expanduser() / "hub"
-
-
-def hub_offline() -> bool:
-    """``HF_HUB_OFFLINE`` (or transformers' ``TRANSFORMERS_OFFLINE``) set to a true value."""
-    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
 def resolve_hub_id(repo_id: str, patterns: tuple[str, ...]) -> Path:
     """The local snapshot folder of ``repo_id`` with the files matching ``patterns``: from the
     cache, downloading what is missing unless offline. Raises :class:`HubError`."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    offline = hub_offline()
-    cache = hub_cache_dir()
     try:
-        folder = snapshot_download(repo_id, cache_dir=cache, allow_patterns=list(patterns),
-                                   local_files_only=offline)
+        return Path(snapshot_download(repo_id, allow_patterns=list(patterns)))
     except LocalEntryNotFoundError:
-        where = "offline (HF_HUB_OFFLINE=1)" if offline else "and the hub could not be reached"
-        raise HubError(f"{repo_id!r} is not in the Hugging Face cache {cache} {where}") from None
+        where = ("offline (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE
+                 else "and the hub could not be reached")
+        raise HubError(f"{repo_id!r} is not in the Hugging Face cache {constants.HF_HUB_CACHE} "
+                       f"{where}") from None
     except (HfHubHTTPError, OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise HubError(f"{repo_id!r} could not be fetched from the Hugging Face hub into {cache}: "
-                       f"{first}") from None
-    return Path(folder)
+        raise HubError(f"{repo_id!r} could not be fetched from the Hugging Face hub into "
+                       f"{constants.HF_HUB_CACHE}: {first}") from None

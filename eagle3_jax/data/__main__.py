@@ -71,6 +71,9 @@ def cmd_vocab(args: argparse.Namespace) -> None:
           f"draft vocab {len(used)} of {vocab_size} covers {covered:.2%}\nwrote {path}")
 
 
+TARGET_HELP = "preset name, .gguf file, HF folder or Hugging Face hub id (org/name)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eagle3_jax.data", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("vocab", help="tokenise and build the draft vocabulary")
     p.add_argument("--data", required=True,
                    help="prepare output folder, a conversations .jsonl, or tokenised .npz")
-    p.add_argument("--target", default=None, help="preset name, .gguf file, HF folder or hub id (org/name)")
+    p.add_argument("--target", default=None, help=TARGET_HELP)
     p.add_argument("--draft-vocab-size", type=int, required=True)
     p.add_argument("--out", required=True, help="output .npz (d2t, t2d, used_ids, counts)")
     p.add_argument("--max-len", type=int, default=2048)
@@ -108,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("regenerate", help="replace assistant turns with the target's answers")
     p.add_argument("--data", required=True, help="prepare output folder or conversations .jsonl")
     p.add_argument("--out", required=True, help="output folder (resumed if it exists)")
-    p.add_argument("--target", default=None, help="preset name, .gguf file, HF folder or hub id (org/name)")
+    p.add_argument("--target", default=None, help=TARGET_HELP)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--max-turns", type=int, default=None,
@@ -130,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("features", help="store the target's taps and hidden states (offline)")
     p.add_argument("--data", required=True, help="tokenised records .npz (vocab --tokens-out)")
-    p.add_argument("--target", default=None, help="preset name, .gguf file, HF folder or hub id (org/name)")
+    p.add_argument("--target", default=None, help=TARGET_HELP)
     p.add_argument("--out", required=True, help="output folder (resumed if it exists)")
     p.add_argument("--max-len", type=int, required=True)
     p.add_argument("--batch-size", type=int, default=8)

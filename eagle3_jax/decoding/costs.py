@@ -90,18 +90,23 @@ def forward_curve(params, cfg, context: int, sizes, repeats: int,
     max_len = context + max(max(sizes), loop_steps)
     caches = {}
     fns = {}
+
+    def fresh(rows: int, width: int):
+        """(a cache of ``rows`` at ``context``, ``width`` new tokens a row), on the weights'
+        mesh, where the cache each call returns lies: one program per shape, not two."""
+        cache = KVCache.zeros(cfg, rows, max_len).replace(
+            end=jnp.full((rows,), context, jnp.int32))
+        return replicated_like((cache, jnp.ones((rows, width), jnp.int32)), params)
+
     for t in sizes:
-        # On the weights' mesh, where each call's returned cache lies: one program per size.
-        caches[t], tokens = replicated_like((KVCache.zeros(cfg, batch, max_len).replace(
-            end=jnp.full((batch,), context, jnp.int32)), jnp.ones((batch, t), jnp.int32)), params)
+        caches[t], tokens = fresh(batch, t)
 
         def run(t=t, tokens=tokens):
             logits, caches[t] = forward_step(params, caches[t], tokens, cfg)
             return logits
         fns[t] = run
     if loop_steps:
-        caches["loop"], first = replicated_like((KVCache.zeros(cfg, 1, max_len).replace(
-            end=jnp.full((1,), context, jnp.int32)), jnp.ones((1, 1), jnp.int32)), params)
+        caches["loop"], first = fresh(1, 1)
 
         def loop():
             token, caches["loop"] = decode_loop(params, caches["loop"], first, cfg, loop_steps)

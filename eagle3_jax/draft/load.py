@@ -90,7 +90,8 @@ def check_head_path(path: str | Path) -> Path:
         try:
             return resolve_hub_id(str(path), HEAD_FILES)
         except HubError as e:
-            raise HeadError(f"draft head {str(path)!r} is no folder, and as a hub id: {e}") from None
+            raise HeadError(f"draft head {str(path)!r} is no folder, and as a hub id: "
+                            f"{e}") from None
     raise HeadError(f"draft head {str(path)!r} does not exist; give a released EAGLE-3 head "
                     "folder (config.json + model.safetensors), a training run folder or a "
                     "Hugging Face hub id (org/name)")
