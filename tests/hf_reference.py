@@ -13,6 +13,8 @@ biases N(0, 0.1^2). Fixed test tolerances are then meaningful in absolute terms.
 from __future__ import annotations
 
 import math
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -43,16 +45,31 @@ _CONFIG_CLASSES = {
     "mistral": transformers.MistralConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
+    "gemma3": transformers.Gemma3TextConfig,
+    "qwen3_moe": transformers.Qwen3MoeConfig,
+    "mixtral": transformers.MixtralConfig,
+}
+# Each family's own small defaults on top of TINY: Gemma 3 with a window of 8 over prompts of
+# 24 (layer 5 of 7 global, the rest local), a query scalar apart from head_dim and linear RoPE
+# scaling on its global layers; the MoEs with 8 (Qwen3) or 4 (Mixtral) experts of width 16.
+_FAMILY = {
+    "mistral": dict(sliding_window=None),  # full attention; the window cases set one
+    "qwen3": dict(head_dim=12),  # explicit head_dim != hidden / heads (= 8)
+    "gemma3": dict(head_dim=8, sliding_window=8, query_pre_attn_scalar=12,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                       "rope_theta": 100000.0},
+                                    "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 10000.0}}),
+    "qwen3_moe": dict(head_dim=12, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=16, norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=16,
+                    sliding_window=None),
 }
 
 
 def hf_config(arch: str, **overrides: Any) -> transformers.PretrainedConfig:
-    """A tiny HF config of ``arch`` ("llama", "mistral", "qwen2", "qwen3")."""
-    kwargs = dict(TINY)
-    if arch == "mistral":
-        kwargs["sliding_window"] = None  # full attention, the only kind we run
-    if arch == "qwen3":
-        kwargs["head_dim"] = 12  # explicit head_dim != hidden / heads (= 8)
+    """A tiny HF config of ``arch`` (a key of ``_CONFIG_CLASSES``)."""
+    kwargs = {**TINY, **_FAMILY.get(arch, {})}
     kwargs.update(overrides)
     return _CONFIG_CLASSES[arch](**kwargs)
 
@@ -67,8 +84,8 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             value = 1.0 + 0.1 * noise
         elif name.endswith(".bias"):
             value = 0.1 * noise
-        else:  # nn.Linear weight [out, in], or the embedding [V, D]: 1 / fan_in
-            value = noise / math.sqrt(p.shape[1])
+        else:  # [out, in] (per expert: [E, out, in]), or the embedding [V, D]: 1 / fan_in
+            value = noise / math.sqrt(p.shape[-1])
         p.copy_(value.to(p.dtype))
 
 
@@ -83,7 +100,19 @@ def build_hf_model(config: transformers.PretrainedConfig, seed: int = 0) -> torc
     return model.eval()
 
 
-def params_from_hf(state_dict: dict[str, torch.Tensor], cfg: TargetConfig) -> dict:
+def checkpoint_tensors(model: torch.nn.Module, folder) -> dict[str, np.ndarray]:
+    """The tensors ``model.save_pretrained`` writes (the hub's names: one tensor per expert,
+    where the torch module fuses them), read back as float32 numpy."""
+    from safetensors.numpy import load_file
+
+    model.save_pretrained(folder)
+    out = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(path))
+    return {name: np.asarray(a, np.float32) for name, a in out.items()}
+
+
+def params_from_hf(state_dict: dict[str, Any], cfg: TargetConfig) -> dict:
     """Convert an HF state dict into our parameter tree via ``hf_to_param``.
 
     Every parameter slot (each layer of each stacked weight) must be written exactly once;
@@ -93,7 +122,9 @@ def params_from_hf(state_dict: dict[str, torch.Tensor], cfg: TargetConfig) -> di
     arrays = jax.tree.map(lambda s: np.empty(s.shape, np.float32), specs, is_leaf=is_spec)
     written: set[tuple] = set()
     for name, tensor in state_dict.items():
-        mapped = hf_to_param(name, tensor.detach().to(torch.float32).numpy(), cfg)
+        if isinstance(tensor, torch.Tensor):
+            tensor = tensor.detach().to(torch.float32).numpy()
+        mapped = hf_to_param(name, tensor, cfg)
         if mapped is None:
             continue
         path, layer, value = mapped
@@ -107,12 +138,16 @@ def params_from_hf(state_dict: dict[str, torch.Tensor], cfg: TargetConfig) -> di
             assert value.shape == target[path[-1]].shape, (name, value.shape)
             target[path[-1]] = np.asarray(value, np.float32)
         else:
-            assert value.shape == target[path[-1]].shape[1:], (name, value.shape)
+            lead = len(layer) if isinstance(layer, tuple) else 1  # (layer, expert) or layer
+            assert value.shape == target[path[-1]].shape[lead:], (name, value.shape)
             target[path[-1]][layer] = value
-    # Every slot written: a whole leaf, or each layer of a stacked leaf.
+    # Every slot written: a whole leaf, or each layer (and expert) of a stacked leaf.
     for keys, leaf in jax.tree_util.tree_flatten_with_path(arrays)[0]:
         path = tuple(k.key for k in keys)
-        assert (path, None) in written or all((path, i) in written for i in range(len(leaf))), (
+        slots = list(range(len(leaf)))
+        if path[-1].startswith("expert_"):
+            slots = [(i, e) for i in range(leaf.shape[0]) for e in range(leaf.shape[1])]
+        assert (path, None) in written or all((path, i) in written for i in slots), (
             f"the HF state dict did not write the parameter {'/'.join(path)}")
     return jax.tree.map(lambda a: jnp.asarray(a, dtype=cfg.dtype), arrays)
 
@@ -121,7 +156,11 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any):
     """``(hf_model, cfg, params)``: a random HF model, its TargetConfig and our params."""
     model = build_hf_model(hf_config(arch, **overrides), seed)
     cfg = TargetConfig.from_hf_config(model.config.to_dict())
-    return model, cfg, params_from_hf(model.state_dict(), cfg)
+    state = model.state_dict()
+    if cfg.is_moe:  # the module fuses its experts; the checkpoint holds each apart
+        with tempfile.TemporaryDirectory() as folder:
+            state = checkpoint_tensors(model, folder)
+    return model, cfg, params_from_hf(state, cfg)
 
 
 @torch.no_grad()

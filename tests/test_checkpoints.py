@@ -79,12 +79,16 @@ TOKENS = np.random.default_rng(0).integers(0, 97, size=(2, 11))
     ("llama", {"tie_word_embeddings": True}),       # tied head: lm_head absent / skipped
     ("qwen2", {}),                                  # q/k/v biases
     ("qwen3", {}),                                  # q/k norm, head_dim 12 != 32 / 4
+    ("mistral", {"sliding_window": 4}),             # every layer's window shorter than 11
+    ("gemma3", {}),                                 # four norms a layer, window 8
+    ("qwen3_moe", {}),                              # 8 experts, one tensor per expert
+    ("mixtral", {}),                                # block_sparse_moe.experts.{e}.w1/w2/w3
 ])
 def test_safetensors_matches_hf(tmp_path, mesh1, arch, config):
     model, folder = save_tiny(tmp_path, arch, config=config)
     cfg, params = load_safetensors(folder, mesh1)
     assert cfg.arch == arch and cfg.dtype == "float32"
-    assert cfg.tie_word_embeddings == config.get("tie_word_embeddings", False)
+    assert cfg.tie_word_embeddings == config.get("tie_word_embeddings", arch == "gemma3")
     want, _ = hf_forward(model, TOKENS)
     np.testing.assert_allclose(causal_logits(params, cfg, TOKENS), want, atol=ATOL, rtol=0)
 
@@ -110,6 +114,60 @@ def test_bfloat16_checkpoint(tmp_path, mesh1):
     ours = param_to_hf(cfg32, params32)
     for name, tensor in model.state_dict().items():
         np.testing.assert_array_equal(ours[name], tensor.float().numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe", "mixtral"])
+def test_sharded_bfloat16_checkpoints_of_each_family(tmp_path, mesh1, arch):
+    """A bfloat16 checkpoint in several shards loads bit for bit: every tensor the checkpoint
+    holds (each expert apart for the MoEs) comes back from our tree unchanged."""
+    model = build_hf_model(hf_config(arch), seed=3).to(torch.bfloat16)
+    folder = tmp_path / arch
+    model.save_pretrained(folder, max_shard_size="40KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    saved = checkpoint_tensors_of(folder)
+    cfg, params = load_safetensors(folder, mesh1)
+    assert cfg.dtype == "bfloat16"
+    ours = param_to_hf(cfg, params)
+    assert set(ours) == set(saved) - {"lm_head.weight"} if cfg.tie_word_embeddings else set(saved)
+    for name, want in saved.items():
+        if name in ours:
+            np.testing.assert_array_equal(np.asarray(ours[name], np.float32),
+                                          np.asarray(want, np.float32), err_msg=name)
+
+
+def checkpoint_tensors_of(folder) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(path))
+    return out
+
+
+def test_gemma3_multimodal_checkpoint_gives_its_language_model(tmp_path, mesh1):
+    """A ``Gemma3ForConditionalGeneration`` folder (the 4B-27B releases): the text model is read
+    from the nested text config and ``model.language_model.*``, the vision tower skipped, and its
+    logits on text equal transformers'."""
+    import transformers
+
+    text = hf_config("gemma3").to_dict()
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    from hf_reference import randomize_
+    randomize_(model, seed=4)
+    folder = tmp_path / "gemma3-mm"
+    model.save_pretrained(folder)
+    names = set(checkpoint_tensors_of(folder))
+    assert any("vision_tower" in n for n in names) and any("language_model" in n for n in names)
+    cfg, params = load_safetensors(folder, mesh1)
+    assert cfg.arch == "gemma3" and cfg.num_layers == text["num_hidden_layers"]
+    with torch.no_grad():
+        want = model(input_ids=torch.as_tensor(TOKENS), use_cache=False).logits.float().numpy()
+    np.testing.assert_allclose(causal_logits(params, cfg, TOKENS), want, atol=ATOL, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------

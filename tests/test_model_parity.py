@@ -1,7 +1,10 @@
 """The JAX target reproduces HF transformers (torch, float32, eval) on tiny random models.
 
 Covers Llama (MHA / GQA / MQA, tied and untied head, llama3 RoPE scaling), Qwen2 (q/k/v bias),
-Qwen3 (q/k RMSNorm, head_dim != hidden / heads) and Mistral (full attention). Every config goes
+Qwen3 (q/k RMSNorm, head_dim != hidden / heads), Mistral, sliding windows (every layer, Qwen2's
+upper layers), Gemma 3 (interleaved local and global layers, two RoPE bases, norms of 1 + w
+around attention and MLP, GeGLU, scaled embeddings, query scalar, logit soft-capping) and the
+mixtures of experts Qwen3-MoE (normalised top-k or not) and Mixtral. Every config goes
 through ``TargetConfig.from_hf_config(hf_model.config.to_dict())`` and every weight through
 ``hf_names.hf_to_param``, so the config and checkpoint mappings are tested with the forward.
 
@@ -55,6 +58,18 @@ CASES = {
     "qwen2_tied": ("qwen2", dict(num_key_value_heads=1, tie_word_embeddings=True)),
     "qwen3_qk_norm": ("qwen3", dict(num_key_value_heads=2)),
     "mistral": ("mistral", dict(num_key_value_heads=2)),
+    # Sliding windows of 8 over prompts of 24: every layer local (Mistral v0.1), layers 3.. local
+    # (Qwen2's max_window_layers).
+    "mistral_window": ("mistral", dict(num_key_value_heads=2, sliding_window=8)),
+    "qwen2_window": ("qwen2", dict(num_key_value_heads=2, use_sliding_window=True,
+                                   sliding_window=8, max_window_layers=3)),
+    "gemma3": ("gemma3", dict(num_key_value_heads=2, vocab_size=96)),
+    "gemma3_softcap": ("gemma3", dict(num_key_value_heads=1, final_logit_softcapping=3.0,
+                                      query_pre_attn_scalar=8)),
+    "qwen3_moe": ("qwen3_moe", dict(num_key_value_heads=2)),
+    "qwen3_moe_unnormed": ("qwen3_moe", dict(num_key_value_heads=2, norm_topk_prob=False)),
+    "mixtral": ("mixtral", dict(num_key_value_heads=2, vocab_size=96)),
+    "mixtral_window": ("mixtral", dict(num_key_value_heads=2, sliding_window=8)),
 }
 
 
@@ -146,6 +161,20 @@ def test_config_features_were_exercised():
     assert cfgs["llama3_rope"].rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 32)
     assert cfgs["qwen2_bias"].attention_bias and not cfgs["qwen2_bias"].qk_norm
     assert cfgs["qwen3_qk_norm"].qk_norm and not cfgs["qwen3_qk_norm"].attention_bias
+    assert cfgs["mistral"].sliding_window is None
+    assert cfgs["mistral_window"].local_layers == tuple(range(7))
+    assert cfgs["qwen2_window"].local_layers == (3, 4, 5, 6)
+    gemma = cfgs["gemma3"]
+    assert gemma.local_layers == (0, 1, 2, 3, 4, 6) and gemma.sliding_window == 8
+    assert gemma.local_rope_theta == 10000.0 and gemma.rope_theta == 100000.0
+    assert gemma.rope_scaling == RopeScaling("linear", 2.0)
+    assert gemma.query_pre_attn_scalar == 12 and gemma.tie_word_embeddings
+    assert gemma.norm_plus_one and gemma.sandwich_norms and gemma.scale_embeddings
+    assert cfgs["gemma3_softcap"].final_logit_softcap == 3.0
+    assert (cfgs["qwen3_moe"].num_experts, cfgs["qwen3_moe"].experts_per_token) == (8, 2)
+    assert cfgs["qwen3_moe"].norm_topk_prob and not cfgs["qwen3_moe_unnormed"].norm_topk_prob
+    assert (cfgs["mixtral"].num_experts, cfgs["mixtral"].experts_per_token) == (4, 2)
+    assert cfgs["mixtral_window"].local_layers == tuple(range(7))
     q3 = cfgs["qwen3_qk_norm"]
     assert q3.head_dim * q3.num_heads != q3.hidden_size
     assert cfgs["mistral"].arch == "mistral"

@@ -26,7 +26,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from eagle3_jax.checkpoints.hf_names import UnknownTensorError, hf_to_param, param_to_hf
+from eagle3_jax.checkpoints.hf_names import (UnknownTensorError, canonical_name, hf_to_param,
+                                             param_to_hf)
 from eagle3_jax.checkpoints.safetensors_io import SafetensorsError, SafetensorsFile
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.model.config import ConfigError, TargetConfig
@@ -66,7 +67,8 @@ def expected_hf_tensors(cfg: TargetConfig) -> dict[str, tuple[tuple[str, ...], i
 def hf_shape(cfg: TargetConfig, path: tuple[str, ...]) -> tuple[int, ...]:
     """The ``[out, in]`` shape HF stores for one layer of our parameter at ``path``."""
     spec = _spec_at(param_specs(cfg), path)
-    shape = spec.shape[1:] if path[0] == "layers" else spec.shape
+    lead = 2 if path[-1].startswith("expert_") else 1  # [L, ...] or [L, E, ...]
+    shape = spec.shape[lead:] if path[0] == "layers" else spec.shape
     key = path[-1]
     if key in ("wq", "wk", "wv"):  # ours [D, heads, H]
         return (shape[1] * shape[2], shape[0])
@@ -74,9 +76,17 @@ def hf_shape(cfg: TargetConfig, path: tuple[str, ...]) -> tuple[int, ...]:
         return (shape[2], shape[0] * shape[1])
     if key in ("bq", "bk", "bv"):  # ours [heads, H]
         return (shape[0] * shape[1],)
-    if key in ("w_gate", "w_up", "w_down", "lm_head"):
+    if key in ("w_gate", "w_up", "w_down", "lm_head", "expert_gate", "expert_up", "expert_down"):
         return tuple(reversed(shape))
     return tuple(shape)
+
+
+def _slots(cfg: TargetConfig, path: tuple[str, ...]) -> list[tuple[int, ...] | int]:
+    """The slots one checkpoint tensor fills in the stacked parameter at ``path``: each layer,
+    or each (layer, expert) of an expert weight."""
+    if path[-1].startswith("expert_"):
+        return [(layer, e) for layer in range(cfg.num_layers) for e in range(cfg.num_experts)]
+    return list(range(cfg.num_layers))
 
 
 def _spec_at(tree, path):
@@ -144,7 +154,8 @@ def assemble_params(
 ) -> Params:
     """Build the sharded param tree one parameter at a time.
 
-    ``read(path, layer)`` returns one layer (or the whole unstacked parameter) in our layout.
+    ``read(path, slot)`` returns one layer, one (layer, expert) of an expert weight, or (slot
+    None) the whole unstacked parameter, in our layout.
     Each stacked parameter is filled into one host buffer of ``cfg.dtype``, placed on ``mesh``
     with the ``mode`` sharding rules, and released before the next parameter is read.
     """
@@ -158,8 +169,8 @@ def assemble_params(
         path = tuple(k.key for k in key_path)
         buffer = np.empty(spec.shape, dtype)
         if path[0] == "layers":
-            for layer in range(cfg.num_layers):
-                buffer[layer] = read(path, layer)
+            for slot in _slots(cfg, path):
+                buffer[slot] = read(path, slot)
         else:
             buffer[...] = read(path, None)
         out.append(shard_array(buffer, spec, sharding))
@@ -248,20 +259,21 @@ def load_safetensors(
         files = [SafetensorsFile(p) for p in checkpoint_files(folder)]
     except SafetensorsError as e:
         raise CheckpointError(str(e)) from None
-    where: dict[str, SafetensorsFile] = {}
+    where: dict[str, tuple[SafetensorsFile, str]] = {}  # canonical name -> (file, its name)
     for f in files:
-        for name in f.entries:
+        for stored in f.entries:
+            name = canonical_name(stored)
             if name in where:
-                raise CheckpointError(f"tensor {name!r} appears in both {where[name].path.name} "
-                                      f"and {f.path.name}")
-            where[name] = f
-    found = {name: f.entries[name][1] for name, f in where.items()}
+                raise CheckpointError(f"tensor {name!r} appears twice, in "
+                                      f"{where[name][0].path.name} and {f.path.name}")
+            where[name] = (f, stored)
+    found = {name: f.entries[stored][1] for name, (f, stored) in where.items()}
     expected = check_tensor_names(found, cfg, str(folder))
     by_slot = {slot: name for name, slot in expected.items()}
 
-    def read(path, layer):
-        name = by_slot[(path, layer)]
-        _, _, value = hf_to_param(name, where[name].tensor(name), cfg)
+    def read(path, slot):
+        f, stored = where[by_slot[(path, slot)]]
+        _, _, value = hf_to_param(stored, f.tensor(stored), cfg)
         return value
 
     return cfg, assemble_params(cfg, mesh, mode, read)

@@ -15,10 +15,15 @@ Layout (D hidden, N query heads, K kv heads, H head_dim, F mlp width, V vocab, L
     layers/wk, wv    [L, D, K, H]  ("layers", "embed", "kv_heads", "head_dim")
     layers/wo        [L, N, H, D]  ("layers", "q_heads", "head_dim", "embed")
     layers/bq        [L, N, H]     Qwen2 only;  layers/bk, bv [L, K, H]
-    layers/q_norm    [L, H]        Qwen3 only;  layers/k_norm [L, H]
+    layers/q_norm    [L, H]        Qwen3 and Gemma 3;  layers/k_norm [L, H]
     layers/mlp_norm  [L, D]
+    layers/post_attn_norm, post_mlp_norm [L, D]   Gemma 3 (``sandwich_norms``)
     layers/w_gate    [L, D, F]     ("layers", "embed", "mlp");  layers/w_up likewise
     layers/w_down    [L, F, D]     ("layers", "mlp", "embed")
+  mixture of experts (E experts of width F) in place of w_gate / w_up / w_down:
+    layers/router       [L, E, D]     ("layers", "router", "embed")
+    layers/expert_gate  [L, E, D, F]  ("layers", "experts", "embed", "mlp");  expert_up likewise
+    layers/expert_down  [L, E, F, D]  ("layers", "experts", "mlp", "embed")
     final_norm       [D]           ("norm",)
     lm_head          [D, V]        ("embed", "vocab"), absent when embeddings are tied
 """
@@ -61,10 +66,11 @@ def param_specs(cfg: TargetConfig) -> Params:
         "wv": ParamSpec((nl, d, k, h), ("layers", "embed", "kv_heads", "head_dim")),
         "wo": ParamSpec((nl, n, h, d), ("layers", "q_heads", "head_dim", "embed")),
         "mlp_norm": ParamSpec((nl, d), ("layers", "norm"), "ones"),
-        "w_gate": ParamSpec((nl, d, f), ("layers", "embed", "mlp")),
-        "w_up": ParamSpec((nl, d, f), ("layers", "embed", "mlp")),
-        "w_down": ParamSpec((nl, f, d), ("layers", "mlp", "embed")),
+        **_mlp_specs(cfg, (nl,), ("layers",)),
     }
+    if cfg.sandwich_norms:
+        layers["post_attn_norm"] = ParamSpec((nl, d), ("layers", "norm"), "ones")
+        layers["post_mlp_norm"] = ParamSpec((nl, d), ("layers", "norm"), "ones")
     if cfg.attention_bias:
         layers["bq"] = ParamSpec((nl, n, h), ("layers", "q_heads", "head_dim"), "zeros")
         layers["bk"] = ParamSpec((nl, k, h), ("layers", "kv_heads", "head_dim"), "zeros")
@@ -80,6 +86,20 @@ def param_specs(cfg: TargetConfig) -> Params:
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((d, v), ("embed", "vocab"))
     return specs
+
+
+def _mlp_specs(cfg: TargetConfig, lead: tuple[int, ...], lead_axes: tuple[str, ...]) -> Params:
+    """The MLP's weights with ``lead`` dims in front: dense SwiGLU/GeGLU, or the router and
+    experts of a mixture of experts (the same in the stacked and serving layouts)."""
+    d, f, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+    if not cfg.is_moe:
+        return {"w_gate": ParamSpec(lead + (d, f), lead_axes + ("embed", "mlp")),
+                "w_up": ParamSpec(lead + (d, f), lead_axes + ("embed", "mlp")),
+                "w_down": ParamSpec(lead + (f, d), lead_axes + ("mlp", "embed"))}
+    return {"router": ParamSpec(lead + (e, d), lead_axes + ("router", "embed")),
+            "expert_gate": ParamSpec(lead + (e, d, f), lead_axes + ("experts", "embed", "mlp")),
+            "expert_up": ParamSpec(lead + (e, d, f), lead_axes + ("experts", "embed", "mlp")),
+            "expert_down": ParamSpec(lead + (e, f, d), lead_axes + ("experts", "mlp", "embed"))}
 
 
 def is_spec(x: Any) -> bool:
@@ -125,7 +145,9 @@ def param_bytes(params: Params) -> int:
 #   wo        [D, N, H]       ("embed", "q_heads", "head_dim")
 #   w_gate_up [2, F, D]       ("gate_up", "mlp", "embed")
 #   w_down    [D, F]          ("embed", "mlp")
-#   attn_norm, mlp_norm [D]; q_norm, k_norm [H] (Qwen3) as in the stacked table.
+#   attn_norm, mlp_norm [D]; q_norm, k_norm [H] (Qwen3), post_attn_norm, post_mlp_norm [D]
+#   (Gemma 3) and a mixture of experts' router, expert_gate, expert_up, expert_down as in the
+#   stacked table, one layer of it.
 #
 # Panels (``to_panels``; what ``load_target`` gives for float32 decoding on one CPU device where
 # the CPU matmul kernel runs): each of those four matrices, seen as [out, in], becomes
@@ -146,9 +168,15 @@ def serving_layer_specs(cfg: TargetConfig) -> dict[str, ParamSpec]:
         "wqkv": ParamSpec((k, g + 2, h, d), ("kv_heads", "qkv", "head_dim", "embed")),
         "wo": ParamSpec((d, n, h), ("embed", "q_heads", "head_dim")),
         "mlp_norm": ParamSpec((d,), ("norm",), "ones"),
-        "w_gate_up": ParamSpec((2, f, d), ("gate_up", "mlp", "embed")),
-        "w_down": ParamSpec((d, f), ("embed", "mlp")),
     }
+    if cfg.is_moe:
+        specs.update(_mlp_specs(cfg, (), ()))
+    else:
+        specs["w_gate_up"] = ParamSpec((2, f, d), ("gate_up", "mlp", "embed"))
+        specs["w_down"] = ParamSpec((d, f), ("embed", "mlp"))
+    if cfg.sandwich_norms:
+        specs["post_attn_norm"] = ParamSpec((d,), ("norm",), "ones")
+        specs["post_mlp_norm"] = ParamSpec((d,), ("norm",), "ones")
     if cfg.attention_bias:
         specs["bqkv"] = ParamSpec((k, g + 2, h), ("kv_heads", "qkv", "head_dim"), "zeros")
     if cfg.qk_norm:
@@ -172,7 +200,7 @@ def to_serving_layer(p: Params, cfg: TargetConfig) -> Params:
     """
     d, k = cfg.hidden_size, cfg.num_kv_heads
     g = cfg.num_heads // k
-    out = {name: p[name] for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm") if name in p}
+    out = {name: p[name] for name in _AS_THEY_ARE if name in p}
     if "wq" in p:
         q = p["wq"].reshape(d, k, g, -1).transpose(1, 2, 3, 0)  # [K, G, H, D]
         out["wqkv"] = jnp.concatenate([q, p["wk"].transpose(1, 2, 0)[:, None],
@@ -190,8 +218,10 @@ def to_serving_layer(p: Params, cfg: TargetConfig) -> Params:
 
 
 # Stacked weights converted together (each group becomes whole serving entries).
+_AS_THEY_ARE = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm",
+                "router", "expert_gate", "expert_up", "expert_down")
 _SERVING_GROUPS = (("wq", "wk", "wv"), ("bq", "bk", "bv"), ("w_gate", "w_up"), ("wo",),
-                   ("w_down",), ("attn_norm",), ("mlp_norm",), ("q_norm",), ("k_norm",))
+                   ("w_down",)) + tuple((name,) for name in _AS_THEY_ARE)
 
 
 def from_serving_layer(p: Params, cfg: TargetConfig) -> Params:
@@ -200,19 +230,16 @@ def from_serving_layer(p: Params, cfg: TargetConfig) -> Params:
     g = n // k
     wqkv = p["wqkv"]
     out = {
-        "attn_norm": p["attn_norm"], "mlp_norm": p["mlp_norm"],
         "wq": wqkv[:, :g].transpose(3, 0, 1, 2).reshape(d, n, -1),
         "wk": wqkv[:, g].transpose(2, 0, 1), "wv": wqkv[:, g + 1].transpose(2, 0, 1),
         "wo": p["wo"].transpose(1, 2, 0),
-        "w_gate": p["w_gate_up"][0].T, "w_up": p["w_gate_up"][1].T,
-        "w_down": p["w_down"].T,
     }
+    if "w_gate_up" in p:
+        out.update(w_gate=p["w_gate_up"][0].T, w_up=p["w_gate_up"][1].T, w_down=p["w_down"].T)
     if "bqkv" in p:
         out["bq"] = p["bqkv"][:, :g].reshape(n, -1)
         out["bk"], out["bv"] = p["bqkv"][:, g], p["bqkv"][:, g + 1]
-    for name in ("q_norm", "k_norm"):
-        if name in p:
-            out[name] = p[name]
+    out.update({name: p[name] for name in _AS_THEY_ARE if name in p})
     return out
 
 
@@ -261,8 +288,8 @@ def to_serving(params: Params, cfg: TargetConfig, *, shardings: Any = None,
 def _serving_matrices(cfg: TargetConfig) -> dict[str, tuple[int, int]]:
     d, f = cfg.hidden_size, cfg.intermediate_size
     n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    return {"wqkv": ((n + 2 * k) * h, d), "wo": (d, n * h), "w_gate_up": (2 * f, d),
-            "w_down": (d, f)}
+    mlp = {} if cfg.is_moe else {"w_gate_up": (2 * f, d), "w_down": (d, f)}
+    return {"wqkv": ((n + 2 * k) * h, d), "wo": (d, n * h), **mlp}
 
 
 def has_panels(params: Params) -> bool:

@@ -21,7 +21,8 @@ compacting the accepted path (``eagle3_jax.decoding``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import math
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -111,34 +112,97 @@ def split_cache_mask(mask: jax.Array, cache_end: jax.Array, num_new: int):
 CPU_MATVEC_ROW_BLOCKS = 8
 
 
-def _layer(p: Params, cfg: TargetConfig, h: jax.Array, rope: tuple[jax.Array, jax.Array],
-           new_mask: jax.Array, past) -> tuple[jax.Array, jax.Array, jax.Array]:
+class Attend(NamedTuple):
+    """What one kind of layer (global, or local: sliding window) attends with: RoPE (cos, sin)
+    [B, T, H/2] of the new tokens' positions, the mask over the new tokens [B, T, T] and over
+    the cache [B, T, S] (None without a cache)."""
+
+    rope: tuple[jax.Array, jax.Array]
+    new_mask: jax.Array
+    past_mask: jax.Array | None
+
+
+def layer_inputs(cfg: TargetConfig, positions: jax.Array, new_mask: jax.Array,
+                 past_mask: jax.Array | None) -> tuple[Attend, Attend | None]:
+    """(global, local) :class:`Attend` of T new tokens at ``positions`` [B, T]; local is None
+    without sliding-window layers.
+
+    A local layer's token at position p sees keys at positions > p - W (its own path's last W,
+    itself included, as HF's sliding-window mask). A committed cache slot s holds the token at
+    position s (every decoder writes a row's tokens at their positions), so the window over the
+    cache is slot > p - W; over the new tokens it compares their positions (a draft tree's
+    nodes sit at end + depth, so a node's window runs along its own path)."""
+    inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    rope = rope_cos_sin(positions, inv)
+    global_ = Attend(rope, new_mask, past_mask)
+    if not cfg.local_layers:
+        return global_, None
+    if cfg.local_rope_theta is not None:
+        rope = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.local_rope_theta, None))
+    start = positions[:, :, None] - cfg.sliding_window  # [B, T, 1]: keys must lie past it
+    new = new_mask & (positions[:, None, :] > start)
+    past = None
+    if past_mask is not None:
+        past = past_mask & (jnp.arange(past_mask.shape[-1])[None, None, :] > start)
+    return global_, Attend(rope, new, past)
+
+
+def _norm(x: jax.Array, scale: jax.Array, cfg: TargetConfig) -> jax.Array:
+    """RMSNorm with the family's scale: w (Llama, Qwen) or 1 + w in float32 (Gemma)."""
+    if cfg.norm_plus_one:
+        scale = scale.astype(jnp.float32) + 1.0
+    return rms_norm(x, scale, cfg.rms_norm_eps)
+
+
+def _layer(p: Params, cfg: TargetConfig, h: jax.Array, attend: Attend,
+           past: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decoder layer in the serving layout: h [B, T, D] -> (h, k [B, T, K, H], v [B, T, K, H]).
 
     ``p`` holds one layer's weights as ``eagle3_jax.model.params.serving_layer_specs`` lays them
     out: q/k/v and gate/up fused, every matrix [out, in], applied as 2-D matmuls over the last
-    (contiguous) axis. ``rope``: (cos, sin) [B, T, H/2] of the tokens' positions. ``past`` is
-    None or ``(k, v, mask)``: this layer's cache (k [B, K, H, S], v [B, K, S, H]) and the mask
-    over it. The returned k is rotated.
+    (contiguous) axis. ``attend``: the RoPE and masks of this layer's kind (global or local).
+    ``past`` is None or this layer's cache (k [B, K, H, S], v [B, K, S, H]). The returned k is
+    rotated.
     """
     b, t, d = h.shape
     n, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     g = n // kv
-    x = rms_norm(h, p["attn_norm"], cfg.rms_norm_eps)
+    x = _norm(h, p["attn_norm"], cfg)
     qkv = _matmul(x, p, "wqkv", (-1, d)).reshape(b, t, kv, g + 2, hd)
     if cfg.attention_bias:
         qkv = qkv + p["bqkv"]
     q, k, v = qkv[:, :, :, :g].reshape(b, t, n, hd), qkv[:, :, :, g], qkv[:, :, :, g + 1]
     if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    attn, k = attention_with_cache(q, k, v, rope, past, new_mask)
-    attn = attn.reshape(b, t, n * hd)
-    h = h + _matmul(attn, p, "wo", (d, n * hd), xla_single_row_blocks=CPU_MATVEC_ROW_BLOCKS)
-    x = rms_norm(h, p["mlp_norm"], cfg.rms_norm_eps)
-    gate_up = _matmul(x, p, "w_gate_up", (-1, d)).reshape(b, t, 2, -1)
-    mlp = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
-    return h + _matmul(mlp, p, "w_down", (d, -1)), k, v
+        q = _norm(q, p["q_norm"], cfg)
+        k = _norm(k, p["k_norm"], cfg)
+    if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != hd:
+        # Attention divides scores by sqrt(head_dim); Gemma divides by sqrt(this scalar).
+        q = q * jnp.asarray(math.sqrt(hd / cfg.query_pre_attn_scalar), q.dtype)
+    past_kv = None if past is None else (*past, attend.past_mask)
+    attn, k = attention_with_cache(q, k, v, attend.rope, past_kv, attend.new_mask)
+    attn = _matmul(attn.reshape(b, t, n * hd), p, "wo", (d, n * hd),
+                   xla_single_row_blocks=CPU_MATVEC_ROW_BLOCKS)
+    if cfg.sandwich_norms:
+        attn = _norm(attn, p["post_attn_norm"], cfg)
+    h = h + attn
+    x = _norm(h, p["mlp_norm"], cfg)
+    if cfg.is_moe:
+        from eagle3_jax.model.moe import moe_mlp  # TEMP
+        mlp = moe_mlp(x.reshape(b * t, d), p["router"], p["expert_gate"], p["expert_up"],
+                      p["expert_down"], top_k=cfg.experts_per_token,
+                      normalize=cfg.norm_topk_prob).reshape(b, t, d)
+    else:
+        gate_up = _matmul(x, p, "w_gate_up", (-1, d)).reshape(b, t, 2, -1)
+        act = jax.nn.silu if cfg.mlp_activation == "silu" else _gelu_tanh
+        mlp = _matmul(act(gate_up[:, :, 0]) * gate_up[:, :, 1], p, "w_down", (d, -1))
+    if cfg.sandwich_norms:
+        mlp = _norm(mlp, p["post_mlp_norm"], cfg)
+    return h + mlp, k, v
+
+
+def _gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU, tanh approximation (HF ``gelu_pytorch_tanh``)."""
+    return jax.nn.gelu(x, approximate=True)
 
 
 def _matmul(x: jax.Array, p: Params, name: str, shape: tuple[int, int], **kwargs) -> jax.Array:
@@ -191,14 +255,14 @@ def forward(
     if not is_serving(params):
         raise TypeError("forward() takes serving-layout params (eagle3_jax.model.to_serving); "
                         "use forward_stacked() for the stacked training layout")
-    rope = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     t = tokens.shape[1]
     h = _embed(params, cfg, tokens)
     tap_layers = tuple(tap_layers)
     if cache is None:
-        new_mask = mask
+        new_mask, past_mask = mask, None
     else:
         past_mask, new_mask = split_cache_mask(mask, cache.end, t)
+    kinds = layer_inputs(cfg, positions, new_mask, past_mask)
     taps, new_k, new_v = [None] * len(tap_layers), [], []
     for index, p in enumerate(params["layers"]):
         for j, tap in enumerate(tap_layers):
@@ -206,8 +270,8 @@ def forward(
                 taps[j] = h
         past = None
         if cache is not None and not cache_is_empty:
-            past = (cache.k[index], cache.v[index], past_mask)
-        h, k, v = _layer(p, cfg, h, rope, new_mask, past)
+            past = (cache.k[index], cache.v[index])
+        h, k, v = _layer(p, cfg, h, kinds[cfg.is_local(index)], past)
         new_k.append(k)
         new_v.append(v)
     out = _finish(params, cfg, h, taps, logit_positions, compute_logits)
@@ -241,36 +305,46 @@ def forward_stacked(
     if is_serving(params):
         raise TypeError("forward_stacked() takes stacked params (eagle3_jax.model.to_stacked); "
                         "use forward() for the serving layout")
-    rope = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     b, t = tokens.shape
     # Each chip runs its own sequences (under a mesh; ``eagle3_jax.sharding.activations``).
     h = shard_batch(_embed(params, cfg, tokens))
     tap_layers = tuple(tap_layers)
+    global_, local = layer_inputs(cfg, positions, mask, None)
+    is_local = jnp.asarray([cfg.is_local(i) for i in range(cfg.num_layers)])
 
     def layer(carry, xs):
         h, taps = carry
-        p, index = xs
+        p, index, local_layer = xs
         for j, tap in enumerate(tap_layers):
             taps = taps.at[j].set(jnp.where(index == tap, h, taps[j]))
-        h, _, _ = _layer(to_serving_layer(p, cfg), cfg, h, rope, mask, None)
+        attend = global_
+        if local is not None:  # this layer's kind, chosen on device (one scanned body)
+            attend = jax.tree.map(lambda a, b: jnp.where(local_layer, a, b), local, global_)
+        h, _, _ = _layer(to_serving_layer(p, cfg), cfg, h, attend, None)
         return (shard_batch(h), taps), None
 
     taps0 = shard_batch(jnp.zeros((len(tap_layers), b, t, cfg.hidden_size), h.dtype), axis=1)
-    (h, taps), _ = jax.lax.scan(layer, (h, taps0), (params["layers"], jnp.arange(cfg.num_layers)))
+    (h, taps), _ = jax.lax.scan(layer, (h, taps0), (params["layers"], jnp.arange(cfg.num_layers),
+                                                    is_local))
     return _finish(params, cfg, h, [taps[j] for j in range(len(tap_layers))], logit_positions,
                    compute_logits)
 
 
 def _embed(params: Params, cfg: TargetConfig, tokens: jax.Array) -> jax.Array:
-    """tokens [B, T] -> embeddings [B, T, D] in the target's dtype."""
-    return weight_rows(params["embed"], tokens).astype(jnp.dtype(cfg.dtype))
+    """tokens [B, T] -> embeddings [B, T, D] in the target's dtype (times sqrt(D), rounded to
+    that dtype, for Gemma)."""
+    dtype = jnp.dtype(cfg.dtype)
+    h = weight_rows(params["embed"], tokens).astype(dtype)
+    if cfg.scale_embeddings:
+        h = h * jnp.asarray(math.sqrt(cfg.hidden_size), dtype)
+    return h
 
 
 def _finish(params: Params, cfg: TargetConfig, h: jax.Array, taps: list, logit_positions,
             compute_logits: bool) -> ForwardOutput:
     """The last layer's output h [B, T, D] -> ForwardOutput (no cache): final norm, logits at
     ``logit_positions`` (or everywhere, or none), taps [B, T, len(taps) * D] (or None)."""
-    hidden = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    hidden = _norm(h, params["final_norm"], cfg)
     logits = None
     if compute_logits:
         head_in = hidden
@@ -390,7 +464,16 @@ def _write_cache(cache: KVCache, new_k, new_v, after: jax.Array) -> KVCache:
 
 
 def output_logits(params: Params, cfg: TargetConfig, hidden: jax.Array) -> jax.Array:
-    """Final-normed hidden [B, T, D] -> float32 logits [B, T, V] (tied or untied head)."""
+    """Final-normed hidden [B, T, D] -> float32 logits [B, T, V] (tied or untied head; soft-capped
+    as c * tanh(logits / c) where the config sets c)."""
+    logits = _head(params, cfg, hidden)
+    if cfg.final_logit_softcap is not None:
+        cap = cfg.final_logit_softcap
+        logits = jnp.tanh(logits / cap) * cap
+    return logits
+
+
+def _head(params: Params, cfg: TargetConfig, hidden: jax.Array) -> jax.Array:
     if cfg.tie_word_embeddings and params["embed"].ndim == 3:  # embed as panels
         return panel_matmul(hidden, params["embed"], preferred_element_type=jnp.float32)
     if cfg.tie_word_embeddings:  # embed [V, D] is [out, in]
