@@ -224,3 +224,51 @@ def test_non_default_rope_theta_is_read_from_both_styles():
     new["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
     assert TargetConfig.from_hf_config(new).rope_theta == 500000.0
     assert TargetConfig.from_hf_config(_old_style(new)).rope_theta == 500000.0
+
+
+def test_gemma3_config_as_the_hub_files_write_it():
+    """gemma-3-1b-it's config.json (transformers 4 keys: sliding_window_pattern,
+    rope_local_base_freq, rope_scaling) and the multimodal 27B's nested text_config give the
+    configs transformers 5 reads from them."""
+    hub_1b = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+              "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+              "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+              "query_pre_attn_scalar": 256, "rope_theta": 1000000, "rope_local_base_freq": 10000,
+              "rope_scaling": None, "sliding_window": 512, "sliding_window_pattern": 6,
+              "vocab_size": 262144, "max_position_embeddings": 32768, "rms_norm_eps": 1e-06,
+              "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None,
+              "attn_logit_softcapping": None}
+    cfg = TargetConfig.from_hf_config(hub_1b)
+    assert cfg.layer_pattern == ("lllllg" * 5)[:26] and cfg.sliding_window == 512
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling) == (1e6, 1e4, None)
+    assert cfg.num_params == 999_885_952  # google/gemma-3-1b-it
+    hub_27b = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+               "text_config": {"model_type": "gemma3_text", "hidden_size": 5376,
+                               "intermediate_size": 21504, "num_hidden_layers": 62,
+                               "num_attention_heads": 32, "num_key_value_heads": 16,
+                               "head_dim": 128, "query_pre_attn_scalar": 168,
+                               "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                               "sliding_window": 1024},
+               "vision_config": {"model_type": "siglip_vision_model"}}
+    cfg = TargetConfig.from_hf_config(hub_27b)
+    assert cfg.rope_scaling == RopeScaling("linear", 8.0) and cfg.local_rope_theta == 10000.0
+    assert cfg.vocab_size == 262208 and cfg.layer_pattern.count("g") == 10
+
+
+@pytest.mark.parametrize("case,change,message", [
+    ("llama_gqa", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+     "RoPE scaling type 'yarn'"),
+    ("llama_gqa", {"attention_sinks": True}, "attention sinks"),
+    ("gemma3", {"attn_logit_softcapping": 50.0}, "soft-capping"),
+    ("gemma3", {"layer_types": ["chunked_attention"] * 7}, "chunked_attention"),
+    ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers"),
+    ("qwen3_moe", {"num_experts_per_tok": 9}, "experts_per_token"),
+    ("mixtral", {"hidden_act": "gelu"}, "activation 'gelu'"),
+])
+def test_unsupported_options_are_refused_by_name(case, change, message):
+    """An option the forward would otherwise ignore is refused before any weight is read."""
+    from eagle3_jax.model.config import ConfigError
+
+    hf = dict(_model(case)[0].config.to_dict(), **change)
+    with pytest.raises(ConfigError, match=message):
+        TargetConfig.from_hf_config(hf)

@@ -222,6 +222,8 @@ class TargetConfig:
             )
         if model_type == "gemma3":
             hf = _gemma3_text_config(hf.get("text_config") or {})
+        elif model_type == "gemma3_text":
+            hf = _gemma3_text_config(hf)
         _refuse_unsupported(hf, arch)
         try:
             hidden = int(hf["hidden_size"])
@@ -282,8 +284,10 @@ class TargetConfig:
 
 
 def _gemma3_text_config(text: Mapping[str, Any]) -> dict[str, Any]:
-    """The text model's config of a Gemma 3 multimodal ``config.json``, with the defaults
-    transformers fills in for the keys the hub files leave out."""
+    """A Gemma 3 text config (a multimodal ``config.json``'s ``text_config``, or a text model's)
+    as transformers 5 writes it: the defaults filled in for keys the hub files leave out, and
+    the older keys (``sliding_window_pattern``, ``rope_local_base_freq``, ``rope_scaling``)
+    turned into ``layer_types`` and per-kind ``rope_parameters``."""
     import transformers  # the config class holds Gemma 3's defaults; imported only here
 
     return transformers.Gemma3TextConfig(**{k: v for k, v in text.items()

@@ -27,12 +27,17 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis -> mesh axes. Training shards parameters over fsdp (ZeRO-3 style) and tensor;
 # serving keeps full rows per device (no fsdp gather per token) and shards over tensor only.
+# A mixture of experts' weights [E, ...] are split by whole experts over tensor (expert
+# parallelism: "experts" comes first in their axes, so their "mlp" axis is then left whole);
+# the MoE layer runs each device's experts on its tokens and sums over tensor
+# (``eagle3_jax.model.moe``).
 TRAINING_RULES: Mapping[str, tuple[str, ...]] = {
     "batch": BATCH_AXES,
     "vocab": ("tensor",),
     "embed": ("fsdp",),
     "q_heads": ("tensor",),
     "kv_heads": ("tensor",),
+    "experts": ("tensor",),
     "mlp": ("tensor",),
 }
 SERVING_RULES: Mapping[str, tuple[str, ...]] = {
@@ -40,8 +45,11 @@ SERVING_RULES: Mapping[str, tuple[str, ...]] = {
     "vocab": ("tensor",),
     "q_heads": ("tensor",),
     "kv_heads": ("tensor",),
+    "experts": ("tensor",),
     "mlp": ("tensor",),
 }
+# The mesh axis a mixture of experts' experts are split over (both tables above).
+EXPERT_AXIS = "tensor"
 RULES = {"training": TRAINING_RULES, "serving": SERVING_RULES}
 
 # Axes of one layer's KV cache (``KVCache.k`` / ``.v`` hold one per layer): keys [B, K, H, S],

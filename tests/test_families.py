@@ -1,0 +1,136 @@
+"""Each model family beyond the dense Llama / Qwen ones, end to end on a small random target of
+that family: Mistral with a sliding window, Gemma 3, Qwen3-MoE and Mixtral.
+
+- Greedy decoding with the KV cache (a batch of two prompts of different lengths, both longer
+  than the window of 8) equals transformers' greedy generation of each prompt, and every token
+  is the argmax of transformers' forward over the whole sequence without a cache.
+- An EAGLE-3 head trains on the target (the loss falls; a run stopped half-way and resumed gives
+  the same losses bit for bit), exports in the SGLang / SpecForge layout, loads back, and EAGLE
+  decoding with it (a chain and a wide tree, batch 2) equals plain greedy decoding.
+
+The targets come from transformers (tests/hf_reference.py: random weights at O(1) activations)
+through ``hf_to_param``, as a checkpoint would.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from eagle3_jax.decoding import generate
+from eagle3_jax.decoding.eagle import generate_eagle
+from eagle3_jax.decoding.tree import TreeConfig
+from eagle3_jax.draft.export import export_draft_head, load_draft_head
+from eagle3_jax.draft.load import read_run_head
+from eagle3_jax.model.params import to_serving
+from eagle3_jax.train.config import OptimizerConfig, TrainConfig
+from eagle3_jax.train.loop import TargetOverride, train
+from hf_reference import tiny_hf_model
+
+FAMILIES = {
+    "mistral_window": ("mistral", dict(sliding_window=8)),
+    "gemma3": ("gemma3", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    "mixtral_window": ("mixtral", dict(sliding_window=8)),
+}
+LENGTHS, WIDTH, NEW = (13, 21), 24, 12
+STEPS = 8
+
+
+@functools.lru_cache(maxsize=None)
+def family(name: str):
+    """(hf_model, cfg, stacked params, serving params) of a family's small random target."""
+    arch, overrides = FAMILIES[name]
+    model, cfg, params = tiny_hf_model(arch, seed=11, **overrides)
+    return model, cfg, params, to_serving(params, cfg)
+
+
+def prompts(vocab: int):
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, vocab, (len(LENGTHS), WIDTH))
+    for i, n in enumerate(LENGTHS):
+        tokens[i, n:] = 0
+    return jnp.asarray(tokens, jnp.int32), jnp.asarray(LENGTHS, jnp.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def plain_greedy(name: str):
+    _, cfg, _, serving = family(name)
+    return generate(serving, cfg, *prompts(cfg.vocab_size), max_new_tokens=NEW)
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: np.ndarray, n: int) -> list[int]:
+    """transformers' greedy generation with its KV cache (no stop token)."""
+    out = model.generate(torch.as_tensor(prompt[None]), max_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0, use_cache=True)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_greedy_with_the_cache_equals_transformers(name):
+    model, cfg, _, _ = family(name)
+    assert cfg.sliding_window is None or cfg.sliding_window < min(LENGTHS)
+    tokens, _ = prompts(cfg.vocab_size)
+    out = plain_greedy(name)
+    for i, n in enumerate(LENGTHS):
+        ours = np.asarray(out.tokens[i, :int(out.num_generated[i])]).tolist()
+        prompt = np.asarray(tokens[i, :n])
+        assert ours == hf_greedy(model, prompt, NEW), f"row {i}"
+        # Without a cache: each token is the argmax of the forward over everything before it.
+        with torch.no_grad():
+            logits = model(input_ids=torch.as_tensor(np.concatenate([prompt, ours])[None]),
+                           use_cache=False).logits[0].float().numpy()
+        assert np.argmax(logits[n - 1:-1], axis=-1).tolist() == ours, f"row {i}"
+
+
+def synthetic_records(vocab: int, n: int = 48):
+    """Arithmetic token progressions: a pattern a draft head picks up in a few steps."""
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        length = int(rng.integers(16, 32))
+        start, stride = int(rng.integers(0, vocab)), (1, 7)[i % 2]
+        out.append({"input_ids": ((start + stride * np.arange(length)) % vocab).astype(np.int32),
+                    "loss_mask": np.arange(length) >= 4})
+    return out
+
+
+def run_config(out_dir, vocab: int):
+    return TrainConfig(target="tiny", out_dir=str(out_dir), max_len=32, batch_size=8,
+                       ttt_steps=3, draft_vocab_size=vocab, total_steps=STEPS,
+                       save_every=STEPS // 2, keep_checkpoints=3, eval_every=1000,
+                       log_every=1, eval_fraction=0.0, progress=False,
+                       optimizer=OptimizerConfig(learning_rate=2e-2, warmup_steps=2))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_head_trains_resumes_exports_and_decodes_losslessly(name, tmp_path):
+    _, cfg, params, serving = family(name)
+    target, records = TargetOverride(cfg, params), synthetic_records(cfg.vocab_size)
+    run = tmp_path / "run"
+    full = train(run_config(run, cfg.vocab_size), target_override=target, train_records=records)
+    losses = full["losses"]
+    assert len(losses) == STEPS and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.2, losses
+
+    # Stopped after half the steps, then resumed from that checkpoint: the same losses.
+    again = tmp_path / "again"
+    half = train(run_config(again, cfg.vocab_size), max_steps=STEPS // 2, target_override=target,
+                 train_records=records)
+    resumed = train(run_config(again, cfg.vocab_size), target_override=target,
+                    train_records=records)
+    assert resumed["start_step"] == STEPS // 2
+    np.testing.assert_array_equal(half["losses"] + resumed["losses"], losses)
+
+    head, _ = read_run_head(run)
+    loaded = load_draft_head(export_draft_head(head, tmp_path / "head"), cfg)
+    plain = plain_greedy(name)
+    for tree in (TreeConfig.chain(3), TreeConfig(tree_top_k=4, depth=3, total_tokens=12)):
+        out = generate_eagle(serving, cfg, loaded, *prompts(cfg.vocab_size),
+                             max_new_tokens=NEW, tree=tree)
+        np.testing.assert_array_equal(out.tokens, plain.tokens)
+        np.testing.assert_array_equal(out.num_generated, plain.num_generated)
