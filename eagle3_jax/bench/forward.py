@@ -222,17 +222,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-hf", action="store_true", help="skip the HF transformers run")
     parser.add_argument("--out", default="docs/bench_forward.json")
     parser.add_argument("--plot", default="docs/bench_forward.png")
+    parser.add_argument("--moe", action="store_true",
+                        help="instead: a mixture-of-experts MLP, routed against all experts, over "
+                             "--sizes tokens (eagle3_jax.bench.families)")
+    parser.add_argument("--window", type=int, default=None, metavar="W",
+                        help="instead: the target with a sliding window of W, as a mask over "
+                             "--context cached tokens against W cached (a ring buffer's reads)")
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
 
+    from eagle3_jax.bench import families
     from eagle3_jax.bench.common import measure_matmul_peak
     from eagle3_jax.checkpoints import load_target
     from eagle3_jax.kernels import kernel_status
 
+    if args.moe:
+        write_json(args.out, {"machine": machine_description(), **families.main_moe(args)})
+        return 0
     loaded = load_target(args.target)
+    if args.window:
+        write_json(args.out, {"machine": machine_description(), "target": loaded.source,
+                              **families.main_window(args, loaded)})
+        return 0
     cfg, params = loaded.cfg, loaded.params
     sizes = sorted({1, *(int(s) for s in args.sizes.split(","))})
     nbytes = param_bytes(params)
