@@ -31,7 +31,6 @@ K contracted width, O output width, G groups.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -48,9 +47,11 @@ def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool
     """Top-k softmax routing, as HF's Qwen3MoeTopKRouter / MixtralTopKRouter.
 
     x [N, D] (any float dtype), router [E, D]. Returns (weights [N, k] float32,
-    experts [N, k] int32), each row's experts in decreasing weight (``lax.top_k`` breaks ties
-    by the lower index, as ``torch.topk`` does on CPU). With ``normalize`` the k weights are
-    divided by their sum (Mixtral always; Qwen3-MoE when ``norm_topk_prob``).
+    experts [N, k] int32), each row's experts in decreasing weight. With ``normalize`` the k
+    weights are divided by their sum (Mixtral always; Qwen3-MoE when ``norm_topk_prob``).
+    Exactly equal probabilities are the one place the choice can differ from HF:
+    ``lax.top_k`` takes the lower expert index first, ``torch.topk`` promises no order (on CPU
+    it picked [2, 4] of three equal entries at 1, 2, 4).
 
     The logits are float32 here for every input dtype (HF computes them in the hidden dtype and
     only the softmax in float32), and at full precision: the top-k choice is discontinuous in
@@ -119,7 +120,7 @@ def grouped_matmul_blocked(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -
 
     # Block b's group: the first group whose blocks end after b (G when b is past them all).
     block_ids = jnp.arange(nb, dtype=jnp.int32)
-    block_group = jnp.searchsorted(block_end, block_ids, side="right").astype(jnp.int32)
+    block_group = _count_at_or_below(block_end, block_ids)
     g = jnp.minimum(block_group, groups - 1)
     first_row = row_start[g] + (block_ids - block_start[g]) * m          # [nb]
     live = block_group < groups                                          # [nb]
@@ -136,19 +137,33 @@ def grouped_matmul_blocked(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -
             wb = jax.lax.dynamic_index_in_dim(w, group, keepdims=False)  # [K, O]
             return jnp.einsum("MK,KO->MO", xb, wb, preferred_element_type=jnp.float32)
 
-        yb = jax.lax.cond(is_live, multiply, lambda: jnp.zeros((m, o), jnp.float32))
-        return None, yb
+        def skip():
+            # Inside shard_map the product varies over the mesh axes its operands vary over;
+            # cond needs the zeros typed the same.
+            zeros = jnp.zeros((m, o), jnp.float32)
+            axes = set().union(*(jax.typeof(a).manual_axis_type.varying
+                                 for a in (x_padded, w, group, start)))
+            return jax.lax.pcast(zeros, tuple(sorted(axes)), to="varying")
+
+        return None, jax.lax.cond(is_live, multiply, skip)
 
     _, ys = jax.lax.scan(block, None, (g, first_row, live))              # [nb, m, O]
 
     # Row r of group h sits in block block_start[h] + (r - row_start[h]) // m, at the same
     # offset mod m; rows past the last group have no block and come out zero.
     r = jnp.arange(rows, dtype=jnp.int32)
-    h = jnp.minimum(jnp.searchsorted(row_end, r, side="right"), groups - 1)
+    h = jnp.minimum(_count_at_or_below(row_end, r), groups - 1)
     within = r - row_start[h]
     slot = (block_start[h] + within // m) * m + within % m
     out = ys.reshape(nb * m, o)[slot]
     return jnp.where((r < row_end[-1])[:, None], out, 0).astype(out_dtype)
+
+
+def _count_at_or_below(ends: jax.Array, queries: jax.Array) -> jax.Array:
+    """For sorted ends [G] and queries [Q]: how many ends are <= each query, int32 [Q]
+    (``searchsorted(side="right")``). A [Q, G] comparison: jnp.searchsorted fails to trace
+    inside a shard_map that is manual over only some mesh axes (jax 0.10.2), and G is small."""
+    return jnp.sum(ends[None, :] <= queries[:, None], axis=1, dtype=jnp.int32)
 
 
 def moe_mlp(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -177,6 +192,28 @@ def moe_mlp_fused(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down:
     weights = (w_gate_up, w_down)
     return _moe(x, router, weights, _fused_experts, top_k=top_k, normalize=normalize,
                 activation=activation, mesh=mesh, expert_axis=expert_axis)
+
+
+def moe_mlp_all_experts(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                        w_down: jax.Array, *, top_k: int, normalize: bool,
+                        activation: str = "silu") -> jax.Array:
+    """``moe_mlp`` computed densely, as a reference and a baseline for benches: every expert on
+    every token, each weighted by its routing weight (zero where not chosen). E/k times the
+    FLOPs and every expert's weights read: what ``lax.ragged_dot`` lowers to off TPU. A NaN
+    in any expert reaches every token (0 * NaN). Shapes as ``moe_mlp``; [N, D] in x.dtype."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    act = ACTIVATIONS[activation]
+    n, num_experts = x.shape[0], router.shape[0]
+    route_w, route_e = route(x, router, top_k, normalize)                      # [N, k] x2
+    dense_w = jnp.zeros((n, num_experts), jnp.float32).at[
+        jnp.arange(n)[:, None], route_e].set(route_w).astype(x.dtype)         # [N, E]
+    f32 = jnp.float32
+    gate = jnp.einsum("ND,EDF->ENF", x, w_gate, preferred_element_type=f32).astype(x.dtype)
+    up = jnp.einsum("ND,EDF->ENF", x, w_up, preferred_element_type=f32).astype(x.dtype)
+    y = jnp.einsum("ENF,EFD->END", act(gate) * up, w_down, preferred_element_type=f32)
+    y = y.astype(x.dtype) * dense_w.T[:, :, None]                              # [E, N, D]
+    return jnp.sum(y.astype(f32), axis=0).astype(x.dtype)
 
 
 def _swiglu_experts(xs, sizes, weights, act):

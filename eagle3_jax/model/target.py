@@ -35,8 +35,9 @@ from eagle3_jax.kernels.matmul import panel_matmul, weight_rows
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.layers import (attention_with_cache, empty_kv, resize_kv, rms_norm,
                                      rope_cos_sin, rope_inv_freq, write_kv)
+from eagle3_jax.model.moe import moe_mlp
 from eagle3_jax.model.params import Params, is_serving, to_serving_layer
-from eagle3_jax.sharding.activations import shard_batch
+from eagle3_jax.sharding.activations import expert_mesh, shard_batch
 
 
 @struct.dataclass
@@ -186,11 +187,12 @@ def _layer(p: Params, cfg: TargetConfig, h: jax.Array, attend: Attend,
         attn = _norm(attn, p["post_attn_norm"], cfg)
     h = h + attn
     x = _norm(h, p["mlp_norm"], cfg)
-    if cfg.is_moe:
-        from eagle3_jax.model.moe import moe_mlp  # TEMP
+    if cfg.is_moe:  # under a mesh with an expert axis, each device runs its own experts
+        mesh, expert_axis = expert_mesh()
         mlp = moe_mlp(x.reshape(b * t, d), p["router"], p["expert_gate"], p["expert_up"],
-                      p["expert_down"], top_k=cfg.experts_per_token,
-                      normalize=cfg.norm_topk_prob).reshape(b, t, d)
+                      p["expert_down"], top_k=cfg.experts_per_token, normalize=cfg.norm_topk_prob,
+                      activation=cfg.mlp_activation, mesh=mesh,
+                      expert_axis=expert_axis).reshape(b, t, d)
     else:
         gate_up = _matmul(x, p, "w_gate_up", (-1, d)).reshape(b, t, 2, -1)
         act = jax.nn.silu if cfg.mlp_activation == "silu" else _gelu_tanh

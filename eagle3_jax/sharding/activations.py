@@ -22,6 +22,9 @@ from jax.sharding import PartitionSpec
 
 # The mesh axes a batch is split over (data parallel x fully sharded data parallel).
 BATCH_AXES = ("data", "fsdp")
+# The mesh axis a mixture of experts' experts are split over (expert parallelism; the rules
+# tables of ``eagle3_jax.sharding.mesh`` map the "experts" axis to it).
+EXPERT_AXIS = "tensor"
 
 
 def _batch_axes() -> tuple[tuple[str, ...], int]:
@@ -44,3 +47,12 @@ def shard_batch(x: jax.Array, axis: int = 0) -> jax.Array:
     spec = [PartitionSpec.UNCONSTRAINED] * x.ndim
     spec[axis] = axes
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+
+
+def expert_mesh() -> tuple[jax.sharding.AbstractMesh | None, str | None]:
+    """(the set mesh, ``EXPERT_AXIS``) when a mesh is set whose expert axis is larger than one,
+    else (None, None): where an MoE layer splits its experts over devices."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT_AXIS not in mesh.axis_names or mesh.shape[EXPERT_AXIS] == 1:
+        return None, None
+    return mesh, EXPERT_AXIS

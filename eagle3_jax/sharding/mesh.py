@@ -19,7 +19,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from eagle3_jax.errors import Eagle3Error
 from eagle3_jax.model.params import ParamSpec, is_spec
-from eagle3_jax.sharding.activations import BATCH_AXES
+from eagle3_jax.sharding.activations import BATCH_AXES, EXPERT_AXIS
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ TRAINING_RULES: Mapping[str, tuple[str, ...]] = {
     "embed": ("fsdp",),
     "q_heads": ("tensor",),
     "kv_heads": ("tensor",),
-    "experts": ("tensor",),
+    "experts": (EXPERT_AXIS,),
     "mlp": ("tensor",),
 }
 SERVING_RULES: Mapping[str, tuple[str, ...]] = {
@@ -45,11 +45,9 @@ SERVING_RULES: Mapping[str, tuple[str, ...]] = {
     "vocab": ("tensor",),
     "q_heads": ("tensor",),
     "kv_heads": ("tensor",),
-    "experts": ("tensor",),
+    "experts": (EXPERT_AXIS,),
     "mlp": ("tensor",),
 }
-# The mesh axis a mixture of experts' experts are split over (both tables above).
-EXPERT_AXIS = "tensor"
 RULES = {"training": TRAINING_RULES, "serving": SERVING_RULES}
 
 # Axes of one layer's KV cache (``KVCache.k`` / ``.v`` hold one per layer): keys [B, K, H, S],
