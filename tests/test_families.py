@@ -63,6 +63,7 @@ def prompts(vocab: int):
 
 @functools.lru_cache(maxsize=None)
 def plain_greedy(name: str):
+    """Greedy decoding of :func:`prompts`, NEW tokens: the reference of the EAGLE runs."""
     _, cfg, _, serving = family(name)
     return generate(serving, cfg, *prompts(cfg.vocab_size), max_new_tokens=NEW)
 
@@ -75,8 +76,7 @@ def hf_greedy(model, prompt: np.ndarray, n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_greedy_with_the_cache_equals_transformers(name):
+def check_greedy_equals_transformers(name):
     model, cfg, _, _ = family(name)
     assert cfg.sliding_window is None or cfg.sliding_window < min(LENGTHS)
     assert prefill_chunk(cfg, WIDTH) == (PREFILL_CHUNK if kernels_in_use(jnp.float32, "matmul")
@@ -94,15 +94,21 @@ def test_greedy_with_the_cache_equals_transformers(name):
         assert np.argmax(logits[n - 1:-1], axis=-1).tolist() == ours, f"row {i}"
 
 
-def target_records(name: str, n: int = 48, prompt: int = 4, new: int = 24):
+def target_records(name: str, calls: int = 24):
     """The target's own greedy continuations of random 4-token prompts (the data a head is
-    trained on: answers the target regenerated), loss on the continuations."""
+    trained on: answers the target regenerated), loss on the continuations. Made with the
+    program of :func:`plain_greedy` (the same shapes), so nothing more is compiled."""
     _, cfg, _, serving = family(name)
-    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (n, prompt))
-    out = generate(serving, cfg, jnp.asarray(tokens, jnp.int32),
-                   jnp.full((n,), prompt, jnp.int32), max_new_tokens=new)
-    ids = np.concatenate([tokens, np.asarray(out.tokens)], axis=1).astype(np.int32)
-    return [{"input_ids": row, "loss_mask": np.arange(len(row)) >= prompt} for row in ids]
+    rng, records = np.random.default_rng(1), []
+    for _ in range(calls):
+        tokens = np.zeros((len(LENGTHS), WIDTH), np.int32)
+        tokens[:, :4] = rng.integers(0, cfg.vocab_size, (len(LENGTHS), 4))
+        out = generate(serving, cfg, jnp.asarray(tokens), jnp.full((len(LENGTHS),), 4, jnp.int32),
+                       max_new_tokens=NEW)
+        for row, new in zip(tokens, np.asarray(out.tokens)):
+            ids = np.concatenate([row[:4], new]).astype(np.int32)
+            records.append({"input_ids": ids, "loss_mask": np.arange(len(ids)) >= 4})
+    return records
 
 
 def run_config(out_dir, vocab: int):
@@ -114,7 +120,9 @@ def run_config(out_dir, vocab: int):
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_a_head_trains_resumes_exports_and_decodes_losslessly(name, tmp_path):
+def test_decoding_equals_transformers_and_a_trained_head_decodes_losslessly(name, tmp_path):
+    """One test a family, so the programs its parts share are compiled once."""
+    check_greedy_equals_transformers(name)
     _, cfg, params, serving = family(name)
     target, records = TargetOverride(cfg, params), target_records(name)
     run = tmp_path / "run"
