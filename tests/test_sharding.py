@@ -44,7 +44,11 @@ QWEN2 = TargetConfig(arch="qwen2", vocab_size=128, hidden_size=64, intermediate_
 SMOL = TargetConfig(arch="llama", vocab_size=128, hidden_size=72, intermediate_size=96,
                     num_layers=2, num_heads=9, num_kv_heads=3, head_dim=8,
                     tie_word_embeddings=True)
-CONFIGS = {"qwen2": QWEN2, "smol": SMOL}
+# Qwen3-MoE-like: 8 experts (2 a token) split over tensor=4, the upper layer windowed.
+MOE = TargetConfig(arch="qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=32,
+                   num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8, qk_norm=True,
+                   num_experts=8, experts_per_token=2, sliding_window=4, layer_pattern="gl")
+CONFIGS = {"qwen2": QWEN2, "smol": SMOL, "moe": MOE}
 
 # (config, mesh (data, fsdp, tensor), mode) -> expected specs of the sharded leaves; every other
 # leaf (norms, unlisted biases) must be fully replicated.
@@ -88,6 +92,22 @@ EXPECTED = {
         "wq": _QKV_FSDP, "wk": _QKV_FSDP, "wv": _QKV_FSDP, "wo": P(None, None, None, "fsdp"),
         "w_gate": P(None, "fsdp", "tensor"), "w_up": P(None, "fsdp", "tensor"),
         "w_down": P(None, "tensor", "fsdp"),
+    },
+    # Expert parallelism: whole experts over tensor (their "mlp" axis then left whole), embed
+    # over fsdp in training; the router is replicated but for its embed axis.
+    ("moe", (1, 2, 4), "training"): {
+        "embed": P("tensor", "fsdp"), "lm_head": P("fsdp", "tensor"),
+        "wq": P(None, "fsdp", "tensor", None), "wk": P(None, "fsdp", "tensor", None),
+        "wv": P(None, "fsdp", "tensor", None), "wo": P(None, "tensor", None, "fsdp"),
+        "router": P(None, None, "fsdp"), "expert_gate": P(None, "tensor", "fsdp", None),
+        "expert_up": P(None, "tensor", "fsdp", None), "expert_down": P(None, "tensor", None, "fsdp"),
+    },
+    ("moe", (2, 1, 4), "serving"): {
+        "embed": P("tensor", None), "lm_head": P(None, "tensor"),
+        "wq": P(None, None, "tensor", None), "wk": P(None, None, "tensor", None),
+        "wv": P(None, None, "tensor", None), "wo": P(None, "tensor", None, None),
+        "expert_gate": P(None, "tensor", None, None), "expert_up": P(None, "tensor", None, None),
+        "expert_down": P(None, "tensor", None, None),
     },
     ("smol", (2, 1, 4), "serving"): {  # attention fully replicated, MLP and vocab tensor-split
         "embed": P("tensor", None),
@@ -181,6 +201,23 @@ def test_sharded_forward_matches_single_device(name, shape, mode):
     out = _sharded_forward(params, name, mesh, mode)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=0)
     np.testing.assert_allclose(np.asarray(out.hidden), np.asarray(ref.hidden), atol=ATOL, rtol=0)
+
+
+@needs_8
+@pytest.mark.parametrize("shape,mode", [((1, 2, 4), "training"), ((2, 1, 4), "serving")])
+def test_moe_forward_under_a_set_mesh_runs_each_devices_own_experts(shape, mode):
+    """Under ``jax.set_mesh`` (training, the TPU plans) the MoE layers run expert-parallel: a
+    ``shard_map`` over tensor in which each device multiplies only its two experts' rows and a
+    psum adds the parts. The same logits as one device."""
+    cfg, mesh = MOE, _mesh(shape)
+    ref_params, _, ref = _reference("moe")
+    params = jax.device_put(ref_params, param_shardings(param_specs(cfg), mesh, mode))
+    with jax.set_mesh(mesh):
+        out = _sharded_forward(params, "moe", mesh, mode)
+        tokens, positions, mask = _reference("moe")[1]
+        text = jit_stacked.lower(params, cfg, tokens, positions, mask).as_text()
+    assert "manual_computation" in text or "shard_map" in text
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=ATOL, rtol=0)
 
 
 @needs_8
