@@ -164,6 +164,37 @@ def test_long_caches_read_in_chunks_match_float64(t, slots, ends):
 
 
 @needs_kernel
+@pytest.mark.parametrize("t, ends, window", [(1, [700, 300], 128), (16, [900, 250], 100)])
+def test_sliding_windows_match_float64_and_skip_nothing_they_see(t, ends, window):
+    """Sliding-window masks (a token sees the last W positions; rows of different fill): the
+    kernel starts reading at the first 64-slot chunk any row of a task sees. Float64 reference,
+    and exactly the result of the same mask with the slots before the window poisoned
+    (NaN keys and values there would reach the output if they were read)."""
+    args = _operands(2, t, 9, 3, 64, 1024, ends, seed=window + t, tree=False)
+    ends = np.asarray(ends)
+    positions = ends[:, None] + np.arange(t)[None]
+    slots = np.arange(1024)[None, None]
+    args[7] = np.ascontiguousarray((slots < ends[:, None, None])
+                                   & (slots > positions[:, :, None] - window))
+    args[8] = np.ascontiguousarray(args[8] & (positions[:, None, :] > positions[:, :, None] - window))
+    got_out, _ = jax.jit(_kernel_call)(*args)
+    want_out, _ = _numpy_reference(*args)
+    np.testing.assert_allclose(np.asarray(got_out), want_out, rtol=0, atol=ATOL_OUT)
+    poisoned = list(args)
+    before = slots[0, 0] < ends.min() - t - window - 64  # whole chunks no row sees
+    assert before.sum() >= 64
+    for i in (5, 6):  # k_past [B, K, H, S], v_past [B, K, S, H]
+        a = np.array(args[i])
+        if i == 5:
+            a[..., before] = np.nan
+        else:
+            a[:, :, before] = np.nan
+        poisoned[i] = a
+    np.testing.assert_array_equal(np.asarray(jax.jit(_kernel_call)(*poisoned)[0]),
+                                  np.asarray(got_out))
+
+
+@needs_kernel
 def test_a_row_that_sees_nothing_gets_zeros_and_others_are_unaffected():
     args = _operands(1, 3, 4, 2, 16, 20, [12], seed=4)
     m_past, m_new = np.array(args[7]), np.array(args[8])

@@ -169,6 +169,18 @@ EAGLE3_INLINE int64_t VisibleEnd(const bool* m, int64_t slots) {
   return s;
 }
 
+// The first slot among [0, slots) that mask row `m` marks, or `slots`: 8 slots a step while all
+// are hidden. (A sliding window hides the slots before it: those are never read.)
+EAGLE3_INLINE int64_t VisibleBegin(const bool* m, int64_t slots) {
+  int64_t s = 0;
+  for (uint64_t word = 0; s + 8 <= slots; s += 8) {
+    std::memcpy(&word, m + s, 8);
+    if (word != 0) break;
+  }
+  while (s < slots && !m[s]) ++s;
+  return s;
+}
+
 // y = x rotated by (cos, sin) [H/2] (rotate-half: the pairs are i and i + H/2), as XLA does it.
 EAGLE3_INLINE void Rotate(const float* x, const float* cos, const float* sin, int64_t half,
                           float* y) {
@@ -249,6 +261,7 @@ EAGLE3_INLINE void AttendRows(const Problem& p, int64_t b, int64_t kh, int64_t r
   const bool* mn[kRows];
   float* o[kRows];
   int64_t limit = 0;  // past slots [0, limit) hold every slot these rows see
+  int64_t begin = S;  // and none before `begin`
   for (int r = 0; r < nr; ++r) {
     const int64_t row = r0 + r, t = row / G, g = row % G;
     Rotate(p.q + ((b * T + t) * p.heads + kh * G + g) * H, p.cos + (b * T + t) * (H / 2),
@@ -259,7 +272,12 @@ EAGLE3_INLINE void AttendRows(const Problem& p, int64_t b, int64_t kh, int64_t r
     o[r] = p.out + ((b * T + t) * p.heads + kh * G + g) * H;
     const int64_t end = VisibleEnd(mp[r], S);
     limit = end > limit ? end : limit;
+    const int64_t first = VisibleBegin(mp[r], end);
+    begin = first < begin ? first : begin;
   }
+  // Whole chunks from the first one holding a seen slot: the slots before are never read (a
+  // sliding window's), which changes no result (their weights are exactly 0).
+  const int64_t first_chunk = (begin < limit ? begin : limit) / kChunk;
   for (int r = nr; r < kPadRows; ++r) q[r] = q_rot[0];
   const int64_t past_pad = (limit + RUN - 1) / RUN * RUN;
   const int64_t new_pad = (T + L - 1) / L * L;
@@ -273,7 +291,7 @@ EAGLE3_INLINE void AttendRows(const Problem& p, int64_t b, int64_t kh, int64_t r
   const float* vp = p.v_past + (b * p.kv_heads + kh) * S * H;  // [S, H]
 
   // Scores over the past, a chunk at a time.
-  for (int64_t c0 = 0; c0 < limit; c0 += kChunk) {
+  for (int64_t c0 = first_chunk * kChunk; c0 < limit; c0 += kChunk) {
     const int64_t n = limit - c0 < kChunk ? limit - c0 : kChunk;
     const int64_t runs = (n + RUN - 1) / RUN;
     const float* keys = kp + c0;
@@ -305,7 +323,9 @@ EAGLE3_INLINE void AttendRows(const Problem& p, int64_t b, int64_t kh, int64_t r
   float inv_sum[kRows];
   for (int r = 0; r < nr; ++r) {
     float* row = sc + r * ld;
-    V m = MaskedScale<C>(row, mp[r], limit, scale, Splat<C>(kNegInf));
+    const int64_t skip = first_chunk * kChunk;  // unscored: hidden from every row
+    for (int64_t s = 0; s < skip; ++s) row[s] = kNegInf;
+    V m = MaskedScale<C>(row + skip, mp[r] + skip, limit - skip, scale, Splat<C>(kNegInf));
     for (int64_t s = limit; s < past_pad; ++s) row[s] = kNegInf;
     m = MaskedScale<C>(row + past_pad, mn[r], T, scale, m);
     for (int64_t j = T; j < new_pad; ++j) row[past_pad + j] = kNegInf;
@@ -326,7 +346,7 @@ EAGLE3_INLINE void AttendRows(const Problem& p, int64_t b, int64_t kh, int64_t r
   // slots, the sums carried between chunks in `acc` (each output element sums the slots in
   // order, whatever the blocking); the new tokens' values last, then the normalization.
   const int64_t past_chunks = (limit + kChunk - 1) / kChunk;
-  for (int64_t c = 0; c <= past_chunks; ++c) {
+  for (int64_t c = first_chunk; c <= past_chunks; ++c) {
     const bool past = c < past_chunks;
     const int64_t c0 = c * kChunk;
     const int64_t n = past ? (limit - c0 < kChunk ? limit - c0 : kChunk) : T;
@@ -338,7 +358,7 @@ EAGLE3_INLINE void AttendRows(const Problem& p, int64_t b, int64_t kh, int64_t r
         V a[PR][VC];
         for (int r = 0; r < PR; ++r)
           for (int v = 0; v < VC; ++v)
-            a[r][v] = c == 0 ? V{} : Load<C>(acc + (rp + r) * H + (v0 + v) * L);
+            a[r][v] = c == first_chunk ? V{} : Load<C>(acc + (rp + r) * H + (v0 + v) * L);
         for (int64_t s = 0; s < n; ++s) {
           V vs[VC];
           for (int v = 0; v < VC; ++v) vs[v] = Load<C>(vals + s * ld_v + (v0 + v) * L);
