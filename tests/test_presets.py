@@ -27,6 +27,10 @@ PUBLISHED_PARAMS = {
     "qwen3-32b": 32.76e9,
     "deepseek-r1-distill-llama-8b": 8.03e9,
     "vicuna-13b-v1.3": 13.02e9,
+    "gemma-3-1b-it": 999_885_952,
+    "gemma-3-27b-it": 27.01e9,  # the language model (27.4B with the vision tower)
+    "qwen3-30b-a3b": 30.53e9,
+    "mixtral-8x7b-instruct": 46.70e9,
 }
 
 
@@ -47,7 +51,8 @@ def test_other_configs_are_not_presets():
     # configs/ also holds training configs (``target: <preset name>``); they are not listed.
     others = set(list_train_configs())
     large = ("llama-3.1-8b-instruct", "llama-3.3-70b-instruct", "qwen3-8b", "qwen3-32b",
-             "deepseek-r1-distill-llama-8b", "vicuna-13b-v1.3")
+             "deepseek-r1-distill-llama-8b", "vicuna-13b-v1.3", "gemma-3-1b-it", "gemma-3-27b-it",
+             "qwen3-30b-a3b", "mixtral-8x7b-instruct")
     assert others == {"train-smollm2-135m"} | {f"train-{n}" for n in large}
     assert not others & set(list_presets())
     for name in large:  # each large preset's training config trains a head for it

@@ -122,9 +122,13 @@ def draft_params(cfg: TargetConfig, draft_vocab_size: int) -> int:
 
 
 def _layer_matmul_params(cfg: TargetConfig) -> int:
-    """Weights one target layer multiplies by (q, k, v, o and the SwiGLU)."""
+    """Weights one target layer multiplies a token by (q, k, v, o and the MLP: a mixture of
+    experts' router and the token's routed experts only)."""
     d, hd = cfg.hidden_size, cfg.head_dim
-    return 2 * d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + 3 * d * cfg.intermediate_size
+    mlp = 3 * d * cfg.intermediate_size
+    if cfg.is_moe:
+        mlp = cfg.experts_per_token * mlp + cfg.num_experts * d
+    return 2 * d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + mlp
 
 
 def train_step_flops(cfg: TargetConfig, *, tokens: int, max_len: int, ttt_steps: int,
