@@ -183,7 +183,8 @@ def compile_verification(tcfg, devices, mesh_cfg, *, batch: int, new_tokens: int
     tokens = jax.ShapeDtypeStruct((b, new_tokens), jnp.int32, sharding=rows)
     mask = jax.ShapeDtypeStruct((b, new_tokens, max_len), jnp.bool_, sharding=rows)
     step = jax.jit(forward, static_argnums=1, donate_argnums=(5,))
-    return mesh, step.lower(params, tcfg, tokens, tokens, mask, cache).compile()
+    with jax.set_mesh(mesh):  # a mixture of experts runs expert-parallel (model/moe.py)
+        return mesh, step.lower(params, tcfg, tokens, tokens, mask, cache).compile()
 
 
 def plan(cfg, topology_name: str, *, decode: bool = False, decode_batch: int = 1,

@@ -68,10 +68,18 @@ class DraftConfig:
     @classmethod
     def for_target(cls, target: TargetConfig, draft_vocab_size: int | None = None,
                    **overrides: Any) -> "DraftConfig":
-        """The default head for ``target``: its width, heads and MLP, taps ``2, L//2, L-3``."""
+        """The default head for ``target``: its width, heads and MLP, taps ``2, L//2, L-3``.
+
+        Every family's head is this dense Llama-style layer, as SpecForge builds it. For a
+        mixture of experts its MLP is as wide as the target's ``config.json``
+        ``intermediate_size``: Mixtral's expert width; for Qwen3-MoE experts_per_token times the
+        expert width (6144 for Qwen3-30B-A3B), the dense size its configs carry."""
+        width = target.intermediate_size
+        if target.arch == "qwen3_moe":
+            width *= target.experts_per_token
         fields = dict(
             hidden_size=target.hidden_size,
-            intermediate_size=target.intermediate_size,
+            intermediate_size=width,
             num_heads=target.num_heads,
             num_kv_heads=target.num_kv_heads,
             head_dim=target.head_dim,

@@ -253,16 +253,21 @@ def _moe_sharded(x, router, weights, body, *, mesh: Mesh, expert_axis: str) -> j
     are sorted past the end and come out zero) and the float32 partial sums are added by
     ``psum``: the same products as the unsharded call, summed in another order.
     """
-    local_experts = router.shape[0] // mesh.shape[expert_axis]
+    shards = mesh.shape[expert_axis]
+    local_experts = router.shape[0] // shards
+    # Each device's first expert, handed in split over the axis: ``lax.axis_index`` would lower
+    # to a partition id, which XLA's SPMD partitioner refuses where the other axes stay
+    # automatic (TPU decoding plans).
+    firsts = jnp.arange(shards, dtype=jnp.int32) * local_experts
 
-    def local(x, router, weights):
-        first = jax.lax.axis_index(expert_axis) * local_experts
-        part = body(x, router, weights, first_expert=first)                     # [N, D] f32
+    def local(x, router, weights, first):
+        part = body(x, router, weights, first_expert=first[0])                  # [N, D] f32
         return jax.lax.psum(part, expert_axis)
 
     weight_specs = tuple(P(expert_axis) for _ in weights)
-    out = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), weight_specs), out_specs=P(),
-                        axis_names=frozenset({expert_axis}))(x, router, weights)
+    out = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), weight_specs, P(expert_axis)),
+                        out_specs=P(), axis_names=frozenset({expert_axis}))(
+                            x, router, weights, firsts)
     return out.astype(x.dtype)
 
 
