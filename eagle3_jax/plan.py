@@ -5,7 +5,8 @@ Checks, on this host and before any TPU is rented, whether a training config fit
 slice: the jitted training step (or, with ``--decode``, the target's verification forward of a
 draft tree over a full KV cache) is compiled ahead of time for the topology through libtpu
 (``jax.experimental.topologies``; no TPU needed) and XLA's memory analysis gives the HBM one
-chip needs. libtpu is looked for in ``$EAGLE3_JAX_LIBTPU_SITE`` when that is set (a folder
+chip needs (with ``--decode`` the config may also be a target preset: its dtype, 2,048 cache
+slots, ``key=value`` overrides as for training). libtpu is looked for in ``$EAGLE3_JAX_LIBTPU_SITE`` when that is set (a folder
 holding the ``libtpu`` package; empty: none), else in ``<venv>/libtpu``, where ``make setup``
 installs it (a folder of its own: in the venv's site-packages every JAX process would probe
 for a TPU first), else beside jax (``pip install 'jax[tpu]'``). Without libtpu it says so and
@@ -292,7 +293,9 @@ def describe(p: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eagle3_jax.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="training config (shipped name or YAML)")
+    parser.add_argument("--config", required=True,
+                        help="training config (shipped name or YAML); with --decode also a "
+                             "target preset")
     parser.add_argument("--topology", required=True, help="Cloud TPU type: v5p-16, v5e-8, v6e-4")
     parser.add_argument("--decode", action="store_true", help="plan decoding, not training")
     parser.add_argument("--decode-batch", type=int, default=1,
@@ -310,9 +313,15 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {}
 
     def body() -> None:
+        from eagle3_jax.presets import list_presets, load_preset
         from eagle3_jax.train.config import load_train_config
 
-        cfg = load_train_config(args.config, args.overrides)
+        if args.decode and args.config in list_presets():  # a target: its dtype, 2,048 slots
+            dtype = load_preset(args.config).target.dtype
+            cfg = load_train_config(None, [f"target={args.config}", f"dtype={dtype}",
+                                           f"compute_dtype={dtype}", *args.overrides])
+        else:
+            cfg = load_train_config(args.config, args.overrides)
         result.update(plan(cfg, args.topology, decode=args.decode,
                            decode_batch=args.decode_batch, tree_tokens=args.tree_tokens))
         print(json.dumps(result) if args.json else describe(result))
