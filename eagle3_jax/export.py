@@ -102,8 +102,11 @@ def _read_live(acceptance) -> dict | None:
 
 
 # HF architecture names of our target families (a speculators config names its verifier's).
+# (Gemma 3's 4B-27B checkpoints are Gemma3ForConditionalGeneration: pass --verifier for those.)
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "gemma3": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                    "mixtral": "MixtralForCausalLM"}
 
 
 def _verifier(name: str | None, run_dir) -> dict:

@@ -40,11 +40,14 @@ def _default_switch():
 
 
 def _head_layouts() -> set[tuple[int, int, int]]:
-    """(query heads, kv heads, head dim) of every preset."""
+    """(query heads, kv heads, head dim) of every preset whose attention the kernel runs (its
+    head dims are 16..128 by 16; Gemma-3-1B's 256 runs XLA's attention: checked below)."""
     layouts = set()
     for name in list_presets():
         c = load_preset(name).target
-        layouts.add((c.num_heads, c.num_kv_heads, c.head_dim))
+        if ka.uses_attention_kernel((1, 1, c.num_heads, c.head_dim), c.num_kv_heads,
+                                    jnp.float32) or not ka.kernel_available():
+            layouts.add((c.num_heads, c.num_kv_heads, c.head_dim))
     return layouts
 
 
@@ -120,6 +123,7 @@ def test_the_kernel_is_built_and_lowered_here():
     assert not ka.uses_attention_kernel((1, 65, 4, 16), 2, jnp.float32)  # more tokens than taken
     assert not ka.uses_attention_kernel((1, 4, 4, 24), 2, jnp.float32)  # head dim not by 16
     assert not ka.uses_attention_kernel((1, 4, 4, 16), 2, jnp.bfloat16)
+    assert not ka.uses_attention_kernel((1, 4, 4, 256), 1, jnp.float32)  # Gemma-3-1B's heads
 
 
 @needs_kernel

@@ -156,11 +156,14 @@ def _grouped_reference(x, w, sizes):
     (4, [0, 0, 0]),             # no rows at all
     (300, [130, 0, 169, 1]),    # m = 128: groups spanning several blocks, a partial last one
 ])
-def test_grouped_matmul_blocked_matches_numpy(rows, sizes):
+@pytest.mark.parametrize("form", ["loop", "gathered"])
+def test_grouped_matmul_off_tpu_matches_numpy(rows, sizes, form):
+    """Both forms off TPU: the loop over row blocks and (few rows) the gathered weights."""
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, 16)).astype(np.float32)
     w = rng.standard_normal((len(sizes), 16, 12)).astype(np.float32)
-    got = np.asarray(jax.jit(grouped_matmul_blocked)(x, w, jnp.asarray(sizes, jnp.int32)))
+    fn = moe.grouped_matmul_loop if form == "loop" else moe.grouped_matmul_gathered
+    got = np.asarray(jax.jit(fn)(x, w, jnp.asarray(sizes, jnp.int32)))
     expected = _grouped_reference(x, w, sizes)
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-5)
     assert np.all(got[sum(sizes):] == 0)
@@ -201,8 +204,20 @@ def _poison_unrouted(router, x, top_k, *weights):
     return unrouted, poisoned
 
 
+def test_few_rows_are_gathered_and_many_looped():
+    shape = jax.ShapeDtypeStruct
+    w = shape((64, 512, 256), jnp.float32)  # the bench's experts (bench/families.py)
+    sizes = shape((64,), jnp.int32)
+    decode = jax.jit(grouped_matmul_blocked).lower(shape((8, 512), jnp.float32), w, sizes)
+    assert "while" not in decode.as_text()  # a decode step's 8 rows: one gathered product
+    more = jax.jit(grouped_matmul_blocked).lower(shape((32, 512), jnp.float32), w, sizes)
+    assert "while" in more.as_text()
+
+
+@pytest.mark.parametrize("form", ["loop", "gathered"])
 @pytest.mark.parametrize("tokens,experts", [(3, 16), (96, 16)], ids=["decode", "prefill"])
-def test_only_routed_experts_are_read(tokens, experts, monkeypatch):
+def test_only_routed_experts_are_read(tokens, experts, form, monkeypatch):
+    monkeypatch.setattr(moe, "GATHER_BYTES", 0 if form == "loop" else 2**40)
     x, router, *weights = _skewed_moe(tokens, experts, seed=tokens)
     top_k = 2
     unrouted, poisoned = _poison_unrouted(router, x, top_k, *weights)
@@ -214,7 +229,7 @@ def test_only_routed_experts_are_read(tokens, experts, monkeypatch):
     got = np.asarray(jax.jit(mlp)(x, router, *poisoned))
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, clean, atol=ATOL)
-    if tokens <= 4:
+    if tokens <= 4 and form == "loop":
         # The test can fail: ragged_dot, which XLA lowers densely on CPU, reads every expert
         # for every row and gives NaN everywhere (checked with jax 0.10.2).
         # (A new partial: jit would reuse the trace cached for ``mlp``.)
