@@ -27,6 +27,10 @@ from eagle3_jax.checkpoints.hf_names import hf_to_param
 from eagle3_jax.model.config import TargetConfig
 from eagle3_jax.model.params import is_spec, param_specs
 
+# One torch thread for the references: they are small, and the suite runs a pytest worker on
+# each core, where a second torch thread spinning against the other worker slows both.
+torch.set_num_threads(1)
+
 # Small defaults shared by every architecture. 7 layers so the EAGLE-3 taps (2, L//2, L-3) =
 # (2, 3, 4) are three distinct layers, none of them the first or the last.
 TINY = dict(

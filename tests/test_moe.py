@@ -31,6 +31,8 @@ from eagle3_jax.model import moe
 from eagle3_jax.model.moe import (block_rows, grouped_matmul, grouped_matmul_blocked, moe_mlp,
                                   moe_mlp_all_experts, moe_mlp_fused, route)
 
+torch.set_num_threads(1)  # small references; a second thread spins against the other worker
+
 ATOL = 1e-5
 
 # Tiny configs of the two families: hidden 32, expert width 24, 8 experts, top-2.
