@@ -34,6 +34,8 @@ from eagle3_jax.train.config import OptimizerConfig, TrainConfig
 from eagle3_jax.train.loop import TargetOverride, train
 from hf_reference import tiny_hf_model
 
+pytestmark = pytest.mark.slow  # end to end: training, export and EAGLE decoding, a family a test
+
 # head_dim 16, so that on CPU the cached-attention kernel runs the decode steps and the prefill
 # runs in chunks (eagle3_jax.model.target.prefill_chunk): the window masks reach both.
 FAMILIES = {
