@@ -104,16 +104,25 @@ def build_hf_model(config: transformers.PretrainedConfig, seed: int = 0) -> torc
     return model.eval()
 
 
-def checkpoint_tensors(model: torch.nn.Module, folder) -> dict[str, np.ndarray]:
-    """The tensors ``model.save_pretrained`` writes (the hub's names: one tensor per expert,
-    where the torch module fuses them), read back as float32 numpy."""
+def read_checkpoint(folder) -> dict[str, np.ndarray]:
+    """Every tensor of the safetensors files in ``folder``, as stored (bfloat16 stays so)."""
     from safetensors.numpy import load_file
 
-    model.save_pretrained(folder)
     out = {}
     for path in sorted(Path(folder).glob("*.safetensors")):
         out.update(load_file(path))
-    return {name: np.asarray(a, np.float32) for name, a in out.items()}
+    return out
+
+
+def checkpoint_state(model: torch.nn.Module, cfg: TargetConfig) -> dict[str, Any]:
+    """``model``'s tensors by their checkpoint names: its state dict, or for a mixture of
+    experts (whose torch module fuses the experts, where checkpoints hold each apart) what
+    ``save_pretrained`` writes, read back as float32 numpy."""
+    if not cfg.is_moe:
+        return model.state_dict()
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        return {name: np.asarray(a, np.float32) for name, a in read_checkpoint(folder).items()}
 
 
 def params_from_hf(state_dict: dict[str, Any], cfg: TargetConfig) -> dict:
@@ -160,11 +169,7 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any):
     """``(hf_model, cfg, params)``: a random HF model, its TargetConfig and our params."""
     model = build_hf_model(hf_config(arch, **overrides), seed)
     cfg = TargetConfig.from_hf_config(model.config.to_dict())
-    state = model.state_dict()
-    if cfg.is_moe:  # the module fuses its experts; the checkpoint holds each apart
-        with tempfile.TemporaryDirectory() as folder:
-            state = checkpoint_tensors(model, folder)
-    return model, cfg, params_from_hf(state, cfg)
+    return model, cfg, params_from_hf(checkpoint_state(model, cfg), cfg)
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ from eagle3_jax.model.params import (from_panels, has_panels, is_spec, param_spe
 from eagle3_jax.model.target import forward
 from eagle3_jax.presets import PresetError
 from eagle3_jax.sharding import MeshConfig, make_mesh, param_shardings
-from hf_reference import build_hf_model, hf_config, hf_forward
+from hf_reference import build_hf_model, hf_config, hf_forward, read_checkpoint
 from hub_cache import add_to_hub_cache, use_hub_cache
 
 ATOL = 1e-4
@@ -124,7 +124,7 @@ def test_sharded_bfloat16_checkpoints_of_each_family(tmp_path, mesh1, arch):
     folder = tmp_path / arch
     model.save_pretrained(folder, max_shard_size="40KB")
     assert (folder / "model.safetensors.index.json").is_file()
-    saved = checkpoint_tensors_of(folder)
+    saved = read_checkpoint(folder)
     cfg, params = load_safetensors(folder, mesh1)
     assert cfg.dtype == "bfloat16"
     ours = param_to_hf(cfg, params)
@@ -133,15 +133,6 @@ def test_sharded_bfloat16_checkpoints_of_each_family(tmp_path, mesh1, arch):
         if name in ours:
             np.testing.assert_array_equal(np.asarray(ours[name], np.float32),
                                           np.asarray(want, np.float32), err_msg=name)
-
-
-def checkpoint_tensors_of(folder) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    out = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        out.update(load_file(path))
-    return out
 
 
 def test_gemma3_multimodal_checkpoint_gives_its_language_model(tmp_path, mesh1):
@@ -161,7 +152,7 @@ def test_gemma3_multimodal_checkpoint_gives_its_language_model(tmp_path, mesh1):
     randomize_(model, seed=4)
     folder = tmp_path / "gemma3-mm"
     model.save_pretrained(folder)
-    names = set(checkpoint_tensors_of(folder))
+    names = set(read_checkpoint(folder))
     assert any("vision_tower" in n for n in names) and any("language_model" in n for n in names)
     cfg, params = load_safetensors(folder, mesh1)
     assert cfg.arch == "gemma3" and cfg.num_layers == text["num_hidden_layers"]

@@ -11,8 +11,6 @@ preset's full-size matmul shapes run through the CPU kernels in tests/test_rows_
 
 from __future__ import annotations
 
-import tempfile
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +22,7 @@ from eagle3_jax.model.target import forward_stacked
 from eagle3_jax.presets import load_preset
 from eagle3_jax.sharding import MeshError
 from eagle3_jax.sharding.tpu import mesh_plan, parse_topology
-from hf_reference import build_hf_model, checkpoint_tensors, hf_forward, params_from_hf
+from hf_reference import build_hf_model, checkpoint_state, hf_forward, params_from_hf
 
 # Published parameter counts (HF safetensors metadata), +-1%.
 LARGE = {
@@ -119,11 +117,7 @@ def test_one_layer_of_the_real_configuration_matches_hf(name):
                                layer_pattern=pattern if "l" in pattern else "",
                                sliding_window=full.sliding_window if "l" in pattern else None,
                                max_position_embeddings=cfg.max_position_embeddings)
-    state = hf.state_dict()
-    if cfg.is_moe:  # the module fuses its experts; the checkpoint holds each apart
-        with tempfile.TemporaryDirectory() as folder:
-            state = checkpoint_tensors(hf, folder)
-    params = params_from_hf(state, cfg)
+    params = params_from_hf(checkpoint_state(hf, cfg), cfg)
     tokens = np.random.default_rng(0).integers(0, 512, (1, 6))
     positions = np.arange(6)[None] + 5000  # past the llama3 scaling's original context
     want, _ = hf_forward(hf, tokens, positions)

@@ -17,6 +17,14 @@ import jax.numpy as jnp
 from eagle3_jax.kernels import cached_attention, rows_matmul, uses_attention_kernel
 from eagle3_jax.model.config import RopeScaling
 
+# The gated MLPs' activations by ``TargetConfig.mlp_activation`` (``config.MLP_ACTIVATIONS``):
+# SiLU (SwiGLU: Llama, Qwen, Mixtral) and GELU's tanh approximation (GeGLU: Gemma,
+# HF ``gelu_pytorch_tanh``).
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:

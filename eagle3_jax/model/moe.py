@@ -36,10 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-ACTIVATIONS = {
-    "silu": jax.nn.silu,
-    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
-}
+from eagle3_jax.model.layers import ACTIVATIONS
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool
@@ -229,9 +226,7 @@ def moe_mlp_all_experts(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up
     every token, each weighted by its routing weight (zero where not chosen). E/k times the
     FLOPs and every expert's weights read: what ``lax.ragged_dot`` lowers to off TPU. A NaN
     in any expert reaches every token (0 * NaN). Shapes as ``moe_mlp``; [N, D] in x.dtype."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    act = ACTIVATIONS[activation]
+    act = _activation(activation)
     n, num_experts = x.shape[0], router.shape[0]
     route_w, route_e = route(x, router, top_k, normalize)                      # [N, k] x2
     dense_w = jnp.zeros((n, num_experts), jnp.float32).at[
@@ -242,6 +237,12 @@ def moe_mlp_all_experts(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up
     y = jnp.einsum("ENF,EFD->END", act(gate) * up, w_down, preferred_element_type=f32)
     y = y.astype(x.dtype) * dense_w.T[:, :, None]                              # [E, N, D]
     return jnp.sum(y.astype(f32), axis=0).astype(x.dtype)
+
+
+def _activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {name!r}")
+    return ACTIVATIONS[name]
 
 
 def _swiglu_experts(xs, sizes, weights, act):
@@ -259,9 +260,7 @@ def _fused_experts(xs, sizes, weights, act):
 
 
 def _moe(x, router, weights, experts_fn, *, top_k, normalize, activation, mesh, expert_axis):
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    act = ACTIVATIONS[activation]
+    act = _activation(activation)
     num_experts = router.shape[0]
     body = functools.partial(_routed_sum, experts_fn=experts_fn, act=act, top_k=top_k,
                              normalize=normalize)

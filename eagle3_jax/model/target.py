@@ -33,8 +33,8 @@ from eagle3_jax.kernels.attention import uses_attention_kernel
 from eagle3_jax.kernels.library import kernels_in_use
 from eagle3_jax.kernels.matmul import panel_matmul, weight_rows
 from eagle3_jax.model.config import TargetConfig
-from eagle3_jax.model.layers import (attention_with_cache, empty_kv, resize_kv, rms_norm,
-                                     rope_cos_sin, rope_inv_freq, write_kv)
+from eagle3_jax.model.layers import (ACTIVATIONS, attention_with_cache, empty_kv, resize_kv,
+                                     rms_norm, rope_cos_sin, rope_inv_freq, write_kv)
 from eagle3_jax.model.moe import moe_mlp
 from eagle3_jax.model.params import Params, is_serving, to_serving_layer
 from eagle3_jax.sharding.activations import expert_mesh, shard_batch
@@ -195,16 +195,11 @@ def _layer(p: Params, cfg: TargetConfig, h: jax.Array, attend: Attend,
                       expert_axis=expert_axis).reshape(b, t, d)
     else:
         gate_up = _matmul(x, p, "w_gate_up", (-1, d)).reshape(b, t, 2, -1)
-        act = jax.nn.silu if cfg.mlp_activation == "silu" else _gelu_tanh
+        act = ACTIVATIONS[cfg.mlp_activation]
         mlp = _matmul(act(gate_up[:, :, 0]) * gate_up[:, :, 1], p, "w_down", (d, -1))
     if cfg.sandwich_norms:
         mlp = _norm(mlp, p["post_mlp_norm"], cfg)
     return h + mlp, k, v
-
-
-def _gelu_tanh(x: jax.Array) -> jax.Array:
-    """GELU, tanh approximation (HF ``gelu_pytorch_tanh``)."""
-    return jax.nn.gelu(x, approximate=True)
 
 
 def _matmul(x: jax.Array, p: Params, name: str, shape: tuple[int, int], **kwargs) -> jax.Array:
